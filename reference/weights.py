@@ -1,0 +1,184 @@
+"""The project's weight format: tensor names, expected shapes, and reading.
+
+A converted checkpoint is a directory::
+
+    diffusiongemma.json        format marker, version, storage dtype, ModelConfig, tensor -> file index
+    weights-00001.safetensors  tensors under the names below (float32 or bfloat16), one or more files
+    tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json  (copied if present)
+
+Tensor names (per layer ``l``; shapes use the notation of ``ModelConfig``; d, g = head dim and KV
+heads of that layer). Encoder and decoder share every tensor except the two layer scalars:
+
+    embed_tokens                                (V, H)   also the (tied) output projection
+    final_norm                                  (H,)
+    self_conditioning.pre_norm                  (H,)
+    self_conditioning.gate_proj / up_proj       (I_d, H)
+    self_conditioning.down_proj                 (H, I_d)
+    layers.l.input_layernorm                    (H,)
+    layers.l.q_proj                             (n_h*d, H)
+    layers.l.k_proj                             (g*d, H)
+    layers.l.v_proj                             (g*d, H)   sliding layers only (full layers use V = K_raw)
+    layers.l.o_proj                             (H, n_h*d)
+    layers.l.q_norm / k_norm                    (d,)
+    layers.l.post_attention_layernorm           (H,)
+    layers.l.pre_feedforward_layernorm          (H,)      dense branch input norm
+    layers.l.mlp.gate_proj / mlp.up_proj        (I_d, H)
+    layers.l.mlp.down_proj                      (H, I_d)
+    layers.l.post_feedforward_layernorm_1       (H,)      dense branch output norm
+    layers.l.router.proj                        (E, H)
+    layers.l.router.scale                       (H,)
+    layers.l.router.per_expert_scale            (E,)
+    layers.l.pre_feedforward_layernorm_2        (H,)      expert input norm
+    layers.l.experts.gate_up_proj               (E, 2*I_e, H)  gate rows first, then up rows
+    layers.l.experts.down_proj                  (E, H, I_e)
+    layers.l.post_feedforward_layernorm_2       (H,)      expert output norm
+    layers.l.post_feedforward_layernorm         (H,)
+    layers.l.encoder_layer_scalar               (1,)
+    layers.l.decoder_layer_scalar               (1,)
+
+Reading widens bfloat16 to float32 exactly (the bf16 bit pattern is the top half of a float32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping
+
+import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype used by safetensors)
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from .config import ModelConfig
+from .errors import CheckpointError, ConfigError
+
+FORMAT_NAME = "diffusiongemma"
+FORMAT_VERSION = 1
+INDEX_FILE = "diffusiongemma.json"
+STORAGE_DTYPES = ("float32", "bfloat16")
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+LAYER_TENSORS = (
+    "input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm",
+    "post_attention_layernorm", "pre_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj", "post_feedforward_layernorm_1", "router.proj", "router.scale",
+    "router.per_expert_scale", "pre_feedforward_layernorm_2", "experts.gate_up_proj",
+    "experts.down_proj", "post_feedforward_layernorm_2", "post_feedforward_layernorm",
+    "encoder_layer_scalar", "decoder_layer_scalar",
+)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the format mapped to its shape, in a fixed (file) order."""
+    V, H, Id, Ie = config.vocab_size, config.hidden_size, config.intermediate_size, config.moe_intermediate_size
+    E, nh = config.num_experts, config.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens": (V, H),
+        "final_norm": (H,),
+        "self_conditioning.pre_norm": (H,),
+        "self_conditioning.gate_proj": (Id, H),
+        "self_conditioning.up_proj": (Id, H),
+        "self_conditioning.down_proj": (H, Id),
+    }
+    for l in range(config.num_hidden_layers):
+        d, g = config.layer_head_dim[l], config.layer_num_key_value_heads[l]
+        per_layer = {
+            "input_layernorm": (H,), "q_proj": (nh * d, H), "k_proj": (g * d, H), "v_proj": (g * d, H),
+            "o_proj": (H, nh * d), "q_norm": (d,), "k_norm": (d,), "post_attention_layernorm": (H,),
+            "pre_feedforward_layernorm": (H,), "mlp.gate_proj": (Id, H), "mlp.up_proj": (Id, H),
+            "mlp.down_proj": (H, Id), "post_feedforward_layernorm_1": (H,), "router.proj": (E, H),
+            "router.scale": (H,), "router.per_expert_scale": (E,), "pre_feedforward_layernorm_2": (H,),
+            "experts.gate_up_proj": (E, 2 * Ie, H), "experts.down_proj": (E, H, Ie),
+            "post_feedforward_layernorm_2": (H,), "post_feedforward_layernorm": (H,),
+            "encoder_layer_scalar": (1,), "decoder_layer_scalar": (1,),
+        }
+        if not config.is_sliding(l):
+            del per_layer["v_proj"]
+        for name in LAYER_TENSORS:
+            if name in per_layer:
+                shapes[f"layers.{l}.{name}"] = per_layer[name]
+    return shapes
+
+
+def to_float32(array: np.ndarray, name: str = "tensor") -> np.ndarray:
+    """Widen a float32/bfloat16/float16 array to float32 (exact for all three)."""
+    if array.dtype == np.float32:
+        return array
+    if array.dtype in (BFLOAT16, np.float16):
+        return array.astype(np.float32)
+    raise CheckpointError(f"{name}: unsupported dtype {array.dtype} (expected float32, bfloat16 or float16)")
+
+
+def check_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig) -> None:
+    """Raise ``CheckpointError`` unless ``tensors`` holds exactly the expected names and shapes."""
+    expected = expected_shapes(config)
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise CheckpointError(f"missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                              f"(expected shape {expected[missing[0]]} for {missing[0]!r})")
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise CheckpointError(f"unknown tensor(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape}")
+
+
+def is_converted_checkpoint(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a directory in the project's format."""
+    return os.path.isfile(os.path.join(path, INDEX_FILE))
+
+
+def read_index(path: str | os.PathLike) -> dict:
+    """Parse and validate ``diffusiongemma.json`` of a converted checkpoint directory."""
+    index_path = os.path.join(path, INDEX_FILE)
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not a converted diffusiongemma checkpoint ({INDEX_FILE} is missing)") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{index_path}: not valid JSON ({exc})") from exc
+    if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{index_path}: 'format' must be {FORMAT_NAME!r}, got {index.get('format')!r}")
+    if index.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{index_path}: format_version {index.get('format_version')!r} is not supported "
+                              f"(this version reads {FORMAT_VERSION})")
+    if index.get("dtype") not in STORAGE_DTYPES:
+        raise CheckpointError(f"{index_path}: dtype must be one of {STORAGE_DTYPES}, got {index.get('dtype')!r}")
+    if not isinstance(index.get("weight_map"), dict):
+        raise CheckpointError(f"{index_path}: 'weight_map' (tensor name -> file) is missing")
+    return index
+
+
+def load_converted(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read a converted checkpoint directory.
+
+    Returns ``(config, tensors)`` with every tensor widened to float32, shape-checked against
+    ``expected_shapes(config)``. Raises ``CheckpointError`` (bad index, unreadable or truncated
+    file, missing/unknown/misshapen tensor) or ``ConfigError`` (bad model config).
+    """
+    index = read_index(path)
+    try:
+        config = ModelConfig.from_dict(index.get("model_config", {}))
+    except TypeError as exc:
+        raise ConfigError(f"{path}/{INDEX_FILE}: bad model_config ({exc})") from exc
+    by_file: dict[str, list[str]] = {}
+    for name, filename in index["weight_map"].items():
+        by_file.setdefault(filename, []).append(name)
+    tensors: dict[str, np.ndarray] = {}
+    for filename, names in by_file.items():
+        file_path = os.path.join(path, filename)
+        if os.path.basename(filename) != filename or not os.path.isfile(file_path):
+            raise CheckpointError(f"{path}: weight file {filename!r} listed in {INDEX_FILE} is missing")
+        try:
+            with safe_open(file_path, framework="numpy") as f:
+                present = set(f.keys())
+                for name in names:
+                    if name not in present:
+                        raise CheckpointError(f"{file_path}: tensor {name!r} listed in {INDEX_FILE} is not in the file")
+                    tensors[name] = to_float32(f.get_tensor(name), name)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file_path}: unreadable safetensors file ({exc})") from exc
+    check_tensors(tensors, config)
+    return config, tensors

@@ -1,0 +1,121 @@
+"""Build script for diffusiongemma.
+
+The repository keeps one top-level folder per concept; they install under a single import
+namespace so that nothing called ``reference`` or ``fast`` lands at the top of site-packages:
+
+    cli/               -> diffusiongemma            (package root: version, command line)
+    reference/         -> diffusiongemma.reference  (pure-NumPy specification)
+    fast/              -> diffusiongemma.fast       (Cython/OpenMP CPU kernels, CuPy GPU kernels)
+    weights_converter/ -> diffusiongemma.weights_converter
+
+Cython extensions are compiled with OpenMP when the compiler accepts ``-fopenmp`` and serially
+otherwise (the kernels guard their ``prange`` loops, so both builds compute the same numbers).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from glob import glob
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+PACKAGE_DIRS = {
+    "diffusiongemma": "cli",
+    "diffusiongemma.reference": "reference",
+    "diffusiongemma.fast": "fast",
+    "diffusiongemma.weights_converter": "weights_converter",
+}
+
+
+def _compiler_has_openmp() -> bool:
+    """True when the C compiler builds and links a tiny OpenMP program."""
+    if os.environ.get("DIFFUSIONGEMMA_NO_OPENMP"):
+        return False
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "omp.c")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n")
+        result = subprocess.run([cc, "-fopenmp", src, "-o", os.path.join(tmp, "omp")],
+                                capture_output=True)
+        return result.returncode == 0
+
+
+def _extensions():
+    pyx_files = sorted(glob(os.path.join("fast", "*.pyx")))
+    if not pyx_files:
+        return []
+    import numpy
+    from Cython.Build import cythonize
+    from setuptools import Extension
+
+    openmp = _compiler_has_openmp()
+    compile_args = ["-O3", "-ffp-contract=off"] + (["-fopenmp"] if openmp else [])
+    link_args = ["-fopenmp"] if openmp else []
+    extensions = [
+        Extension(
+            "diffusiongemma.fast." + os.path.splitext(os.path.basename(path))[0],
+            [path],
+            include_dirs=[numpy.get_include()],
+            extra_compile_args=compile_args,
+            extra_link_args=link_args,
+            define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        )
+        for path in pyx_files
+    ]
+    print(f"diffusiongemma: building {len(extensions)} Cython extension(s), OpenMP={'on' if openmp else 'off'}",
+          file=sys.stderr)
+    return cythonize(extensions, language_level=3,
+                     compile_time_env={"HAVE_OPENMP": openmp},
+                     compiler_directives={"boundscheck": False, "wraparound": False,
+                                          "cdivision": True, "initializedcheck": False})
+
+
+setup(
+    name="diffusiongemma",
+    version="0.1.0",
+    description="Executable specification of Google's DiffusionGemma: a NumPy reference, "
+                "compiled fast paths and a weights converter",
+    long_description=open("README.md", encoding="utf-8").read() if os.path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    package_dir=PACKAGE_DIRS,
+    packages=list(PACKAGE_DIRS),
+    package_data={
+        "diffusiongemma.fast": ["*.pyx", "*.pxd", "*.cu", "*.cuh", "cuda/*.cu", "cuda/*.cuh"],
+        "diffusiongemma": ["assets/*", "assets/*/*"],
+    },
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": build_ext},
+    install_requires=[
+        "numpy>=1.26",
+        "ml_dtypes>=0.4",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "tqdm>=4.60",
+        "jinja2>=3.0",
+        "threadpoolctl>=3.1",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=7",
+            "hypothesis>=6.80",
+            "torch==2.13.0",
+            "transformers==5.24.0",
+        ],
+        "gpu": ["cupy-cuda12x>=13"],
+    },
+    entry_points={
+        "console_scripts": [
+            "diffusiongemma = diffusiongemma.main:main",
+            "diffusiongemma-convert = diffusiongemma.weights_converter.cli:main",
+        ],
+    },
+    zip_safe=False,
+)
