@@ -119,6 +119,10 @@ class ModelConfig:
                                   "supported (only 'default' and 'proportional')")
             if not rope.rope_theta > 0:
                 raise ConfigError(f"rope_parameters[{kind!r}].rope_theta must be > 0, got {rope.rope_theta!r}")
+            if rope.rope_type == "default" and rope.partial_rotary_factor != 1.0:
+                raise ConfigError(f"rope_parameters[{kind!r}].partial_rotary_factor={rope.partial_rotary_factor!r} "
+                                  "with rope_type 'default' is not supported (upstream would rotate a shorter "
+                                  "vector than the head); use rope_type 'proportional'")
             if not 0.0 < rope.partial_rotary_factor <= 1.0:
                 raise ConfigError(f"rope_parameters[{kind!r}].partial_rotary_factor must be in (0, 1], "
                                   f"got {rope.partial_rotary_factor!r}")

@@ -1,0 +1,118 @@
+"""One transformer block of DiffusionGemma: attention, dense MLP, router, experts.
+
+The encoder and the decoder run the same blocks with the same weights; only the layer scalar and the
+key set / visibility differ, and those are passed in. ``w`` is the dict of one layer's tensors under
+the names of ``reference.weights`` without the ``layers.{l}.`` prefix, all float32.
+Shapes: B batch, S query tokens, T keys, H hidden, n_h query heads, g KV heads, r = n_h/g, d head dim,
+E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import ModelConfig
+from .primitives import apply_rope, gated_mlp, gelu_tanh, rms_norm
+
+
+def project_qkv(x: np.ndarray, w: dict, config: ModelConfig, layer: int, cos: np.ndarray, sin: np.ndarray):
+    """Queries, keys and values of the normed input ``x`` (B, S, H).
+
+    Returns q (B, S, n_h, d), k (B, g, S, d), v (B, g, S, d), float32:
+    q = RoPE(q_norm(x Wq)); k = RoPE(k_norm(x Wk)); v = norm(x Wv) with a weightless norm. On
+    full-attention layers there is no ``v_proj``: v is the *raw* key projection ``x Wk`` (taken before
+    ``k_norm`` and before RoPE), then the weightless norm (SPEC §4.1 step 3, trap T3).
+    """
+    B, S, _ = x.shape
+    d, g = config.layer_head_dim[layer], config.layer_num_key_value_heads[layer]
+    eps = config.rms_norm_eps
+    q = (x @ w["q_proj"].T).reshape(B, S, config.num_attention_heads, d)  # (B, S, n_h, d)
+    q = apply_rope(rms_norm(q, w["q_norm"], eps), cos, sin)
+    k_raw = (x @ w["k_proj"].T).reshape(B, S, g, d)  # (B, S, g, d)
+    v_raw = (x @ w["v_proj"].T).reshape(B, S, g, d) if "v_proj" in w else k_raw
+    k = apply_rope(rms_norm(k_raw, w["k_norm"], eps), cos, sin)
+    v = rms_norm(v_raw, None, eps)
+    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # k, v: (B, g, S, d)
+
+
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """Grouped-query attention with scale 1.0 and a float32 softmax.
+
+    q: (B, S, n_h, d). keys, values: (B, g, T, d); KV head ``j`` serves query heads ``j*r .. j*r + r-1``.
+    visible: (B, S or 1, T) bool. Returns (B, S, n_h * d) float32, heads concatenated in order.
+
+    Scores are ``<q, k>`` with no ``1/sqrt(d)`` and no soft-cap (trap T2). A query that sees no key at
+    all (a padding token whose every key is padding) gets a zero output: upstream produces an arbitrary
+    mixture there, and nothing ever reads it, because padded positions are hidden from every other query.
+    """
+    B, S, n_h, d = q.shape
+    g = keys.shape[1]
+    r = n_h // g
+    q = q.reshape(B, S, g, r, d).transpose(0, 2, 3, 1, 4)  # (B, g, r, S, d)
+    scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (B, g, r, S, T)
+    mask = visible[:, None, None, :, :]  # (B, 1, 1, S|1, T)
+    scores = np.where(mask, scores, -np.inf)
+    peak = np.max(scores, axis=-1, keepdims=True)
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    probs = np.exp(scores - peak)
+    total = np.sum(probs, axis=-1, keepdims=True)
+    probs = probs / np.where(total > 0, total, 1.0)
+    out = probs.astype(np.float32) @ values[:, :, None]  # (B, g, r, S, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, S, n_h * d)  # (B, S, n_h*d)
+
+
+def route(h: np.ndarray, w: dict, config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Pick K experts per token and their weights.
+
+    h: (N, H), the raw residual stream after attention (not a pre-FFN norm: trap T7).
+    Returns (indices (N, K) int64, weights (N, K) float32):
+    z = norm(h) * scale * H**-0.5 (weightless norm); p = softmax(z W_router^T) over all E experts in
+    float32; take the K largest (ties: lower expert index first); renormalise them to sum to 1; then
+    multiply each by ``per_expert_scale`` of its expert. Upstream: ``DiffusionGemmaTextRouter``.
+    """
+    z = rms_norm(h, None, config.rms_norm_eps) * w["router.scale"] * np.float32(config.hidden_size ** -0.5)
+    logits = z @ w["router.proj"].T  # (N, E)
+    logits = logits - logits.max(axis=-1, keepdims=True)
+    probs = np.exp(logits)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, : config.top_k_experts]  # (N, K)
+    top_p = np.take_along_axis(probs, top, axis=-1)
+    weights = top_p / top_p.sum(axis=-1, keepdims=True) * w["router.per_expert_scale"][top]
+    return top, weights.astype(np.float32)
+
+
+def experts(x: np.ndarray, indices: np.ndarray, weights: np.ndarray, w: dict) -> np.ndarray:
+    """Weighted sum of the chosen experts' gated MLPs.
+
+    x: (N, H) expert input (``pre_feedforward_layernorm_2`` of the residual). indices, weights: (N, K).
+    Expert e computes ``down[e] @ (gelu(G_e x) * (U_e x))`` where ``gate_up_proj[e]`` stacks the gate rows
+    (first I_e) over the up rows (last I_e) (trap T8). Returns (N, H) float32. Each expert runs once on
+    the tokens routed to it (a loop over experts, never over tokens). Upstream: ``DiffusionGemmaTextExperts``.
+    """
+    gate_up, down = w["experts.gate_up_proj"], w["experts.down_proj"]
+    inner = down.shape[2]
+    out = np.zeros_like(x)
+    for e in np.unique(indices):
+        token, slot = np.nonzero(indices == e)  # tokens that chose expert e, and in which top-k slot
+        gu = x[token] @ gate_up[e].T  # (n_e, 2*I_e)
+        y = (gelu_tanh(gu[:, :inner]) * gu[:, inner:]) @ down[e].T  # (n_e, H)
+        np.add.at(out, token, y * weights[token, slot][:, None])
+    return out
+
+
+def feed_forward(h: np.ndarray, w: dict, config: ModelConfig) -> np.ndarray:
+    """Dense MLP and routed experts in parallel on the residual ``h`` (B, S, H); returns their normed sum.
+
+    dense = post_ffn_1(MLP(pre_ffn(h))); moe = post_ffn_2(experts(pre_ffn_2(h)) routed on raw h);
+    returns post_ffn(dense + moe), (B, S, H). The ``_1`` norms belong to the dense branch and the ``_2``
+    norms to the experts (SPEC §4.2).
+    """
+    eps = config.rms_norm_eps
+    dense = gated_mlp(rms_norm(h, w["pre_feedforward_layernorm"], eps),
+                      w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"])
+    dense = rms_norm(dense, w["post_feedforward_layernorm_1"], eps)
+    flat = h.reshape(-1, h.shape[-1])  # (B*S, H)
+    indices, weights = route(flat, w, config)
+    moe = experts(rms_norm(flat, w["pre_feedforward_layernorm_2"], eps), indices, weights, w)
+    moe = rms_norm(moe.reshape(h.shape), w["post_feedforward_layernorm_2"], eps)
+    return rms_norm(dense + moe, w["post_feedforward_layernorm"], eps)

@@ -1,0 +1,230 @@
+"""The DiffusionGemma model: a causal encoder that fills a KV cache and a bidirectional decoder that
+denoises a canvas reading that cache.
+
+    text -> input_ids -> Model.encode (appends to the cache) -> for each canvas:
+        Model.denoise(canvas, cache, self-conditioning logits) -> logits (B, C, V)   x  denoising steps
+    -> commit -> Model.encode(committed canvas) -> next canvas
+
+Encoder and decoder share every weight except the per-layer scalar (``encoder_layer_scalar`` vs
+``decoder_layer_scalar``). All computation is float32 NumPy; bfloat16 checkpoints are widened exactly
+on load. Upstream: ``DiffusionGemmaEncoderTextModel`` and ``DiffusionGemmaDecoderModel`` of transformers
+5.24.0 with its default ``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import numpy as np
+
+from .cache import KVCache
+from .config import ModelConfig
+from .errors import CheckpointError, InputError
+from .layers import attend, feed_forward, project_qkv
+from .masks import decoder_visibility, encoder_visibility
+from .primitives import embed, gated_mlp, rms_norm, rope_cos_sin, rope_inverse_frequencies, softcap
+from .weights import check_tensors, is_converted_checkpoint, load_converted
+
+
+class Model:
+    """DiffusionGemma text model with NumPy weights.
+
+    Build it with ``Model.from_pretrained(path)`` or ``Model(config, tensors)`` where ``tensors`` maps the
+    project's tensor names (``reference.weights``) to float32 arrays.
+    """
+
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray]):
+        check_tensors(tensors, config)
+        self.config = config
+        self.tensors = {name: np.ascontiguousarray(t, dtype=np.float32) for name, t in tensors.items()}
+        self.layers = [  # per layer: that layer's tensors without the "layers.{l}." prefix
+            {name[len(f"layers.{l}."):]: t for name, t in self.tensors.items() if name.startswith(f"layers.{l}.")}
+            for l in range(config.num_hidden_layers)
+        ]
+        self._omega = {kind: rope_inverse_frequencies(config.rope_parameters[kind], d)
+                       for kind, d in zip(config.layer_types, config.layer_head_dim)}
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "Model":
+        """Load a converted checkpoint directory, or a transformers checkpoint directory (converted in memory).
+
+        Raises ``CheckpointError`` when ``path`` is neither, or when its tensors are wrong, and
+        ``ConfigError`` for an invalid config.
+        """
+        if not os.path.isdir(path):
+            raise CheckpointError(f"model directory {str(path)!r} does not exist")
+        if is_converted_checkpoint(path):
+            config, tensors = load_converted(path)
+        elif os.path.isfile(os.path.join(path, "config.json")):
+            from diffusiongemma.weights_converter import load_transformers_checkpoint
+
+            config, tensors = load_transformers_checkpoint(path)
+        else:
+            raise CheckpointError(f"{str(path)!r} is neither a converted diffusiongemma checkpoint "
+                                  "(diffusiongemma.json) nor a transformers checkpoint (config.json)")
+        return cls(config, tensors)
+
+    def new_cache(self, batch_size: int) -> KVCache:
+        """An empty KV cache for ``batch_size`` rows."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
+            raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
+        return KVCache(self.config, int(batch_size))
+
+    # ------------------------------------------------------------------ input checks
+    def _check_ids(self, name: str, ids: np.ndarray, cache: KVCache) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"{name} must be a 2-D integer array (batch, tokens), got shape {ids.shape} "
+                             f"dtype {ids.dtype}")
+        if not isinstance(cache, KVCache):
+            raise InputError(f"cache must be a KVCache from Model.new_cache, got {type(cache).__name__}")
+        if ids.shape[0] != cache.batch_size:
+            raise InputError(f"{name} has batch size {ids.shape[0]} but the cache was made for "
+                             f"batch size {cache.batch_size}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            bad = ids[(ids < 0) | (ids >= self.config.vocab_size)].ravel()[0]
+            raise InputError(f"{name} holds token id {int(bad)} outside [0, vocab_size={self.config.vocab_size})")
+        return ids.astype(np.int64)
+
+    # ------------------------------------------------------------------ encoder
+    def encode(self, input_ids: np.ndarray, cache: KVCache, attention_mask: np.ndarray | None = None) -> np.ndarray:
+        """Run the causal encoder over new tokens and append their keys/values to ``cache``.
+
+        input_ids: (B, n) int token ids in [0, V), at positions ``cache.length .. cache.length + n - 1``
+            (positions continue from everything cached, padding included; trap T18).
+        attention_mask: (B, n) of 0/1 (1 = real token, 0 = padding), default all ones. Padding keys are
+            hidden from every query.
+        Returns the encoder's final-norm hidden states (B, n, H) float32 (upstream ``last_hidden_state``;
+        generation does not use them, the autoregressive training loss does). Padded positions hold
+        unspecified values.
+        Raises ``InputError`` for ids out of range, wrong shapes or a cache of another batch size; the
+        cache is left unchanged on error.
+        """
+        ids = self._check_ids("input_ids", input_ids, cache)
+        B, n = ids.shape
+        if n == 0:
+            raise InputError("input_ids has no tokens (shape (B, 0))")
+        if attention_mask is None:
+            mask = np.ones((B, n), dtype=bool)
+        else:
+            mask = np.asarray(attention_mask)
+            if mask.shape != (B, n):
+                raise InputError(f"attention_mask has shape {mask.shape}, expected {(B, n)} like input_ids")
+            if not np.isin(mask, (0, 1)).all():
+                raise InputError("attention_mask must hold only 0 and 1")
+            mask = mask.astype(bool)
+        config = self.config
+        positions = cache.length + np.arange(n, dtype=np.int64)  # (n,)
+        is_real = np.concatenate([cache.is_real, mask], axis=1)  # (B, L + n)
+        tables = {kind: rope_cos_sin(np.broadcast_to(positions, (B, n)), omega) for kind, omega in self._omega.items()}
+        h = embed(ids, self.tensors["embed_tokens"], config.embed_scale)  # (B, n, H); no input norm
+        retained = []
+        for l, w in enumerate(self.layers):
+            kind = config.layer_types[l]
+            x = rms_norm(h, w["input_layernorm"], config.rms_norm_eps)
+            q, k, v = project_qkv(x, w, config, l, *tables[kind])
+            keys = np.concatenate([cache.keys[l], k], axis=2)  # (B, g, T_l + n, d)
+            values = np.concatenate([cache.values[l], v], axis=2)
+            key_pos = np.concatenate([cache.positions(l), positions])  # (T_l + n,)
+            window = config.sliding_window if config.is_sliding(l) else None
+            visible = encoder_visibility(positions, key_pos, is_real[:, key_pos], window)  # (B, n, T)
+            h = self._block_tail(h, attend(q, keys, values, visible), w, w["encoder_layer_scalar"])
+            retained.append((keys, values))
+        for l, (keys, values) in enumerate(retained):  # commit only once every layer succeeded
+            cache.retain(l, keys, values)
+        cache.is_real = is_real
+        return rms_norm(h, self.tensors["final_norm"], config.rms_norm_eps)
+
+    # ------------------------------------------------------------------ decoder
+    def self_conditioning_embedding(self, logits: np.ndarray) -> np.ndarray:
+        """Soft embedding of self-conditioning logits: ``softmax(logits) @ E * sqrt(H)``.
+
+        logits: (B, C, V) float32 (in generation: the previous step's temperature-scaled logits;
+        trap T11). Returns (B, C, H) float32. The softmax runs in float32 over the vocabulary.
+        """
+        z = logits - logits.max(axis=-1, keepdims=True)
+        probs = np.exp(z)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        return (probs @ self.tensors["embed_tokens"]) * np.float32(self.config.embed_scale)
+
+    def canvas_input(self, canvas: np.ndarray, self_conditioning_logits: np.ndarray | None,
+                     self_conditioning_mask: np.ndarray | None = None) -> np.ndarray:
+        """Decoder input ``norm(embed(canvas) + SC_MLP(pre_norm(u)))`` with a weightless outer norm.
+
+        canvas: (B, C) int. self_conditioning_logits: (B, C, V) float32 or None (first denoising step:
+        u = 0, and the MLP of 0 is exactly 0). self_conditioning_mask: (B,) bool or None, training only:
+        rows with False get u = 0 as if no logits were given. Returns (B, C, H) float32. The canvas
+        embedding is RMS-normalised even at the first step (trap T10). Upstream: the decoder's
+        ``self_conditioning`` module.
+        """
+        config, t = self.config, self.tensors
+        e = embed(canvas, t["embed_tokens"], config.embed_scale)  # (B, C, H)
+        if self_conditioning_logits is None:
+            return rms_norm(e, None, config.rms_norm_eps)
+        u = self.self_conditioning_embedding(self_conditioning_logits)
+        if self_conditioning_mask is not None:
+            u = u * np.asarray(self_conditioning_mask, dtype=np.float32)[:, None, None]
+        signal = gated_mlp(rms_norm(u, t["self_conditioning.pre_norm"], config.rms_norm_eps),
+                           t["self_conditioning.gate_proj"], t["self_conditioning.up_proj"],
+                           t["self_conditioning.down_proj"])
+        return rms_norm(e + signal, None, config.rms_norm_eps)
+
+    def denoise(self, canvas: np.ndarray, cache: KVCache, self_conditioning_logits: np.ndarray | None = None,
+                self_conditioning_mask: np.ndarray | None = None) -> np.ndarray:
+        """One decoder pass: logits for every canvas position. Never writes the cache.
+
+        canvas: (B, C) int token ids in [0, V), C = ``config.canvas_length``, at positions
+            ``cache.length .. cache.length + C - 1``.
+        cache: the encoder cache (B rows). Full layers attend to all L cached tokens, sliding layers to the
+            last min(L, W - 1) they retain, plus the whole canvas, bidirectionally (SPEC §7.3).
+        self_conditioning_logits: (B, C, V) float32 or None (first step of a canvas).
+        self_conditioning_mask: (B,) bool or None (training: per-row switch for self-conditioning).
+        Returns soft-capped logits (B, C, V) float32 (upstream: lm_head output, cast to float32, then
+        ``c * tanh(z / c)``).
+        Raises ``InputError`` for a wrong canvas length, ids out of range, self-conditioning logits of the
+        wrong shape or holding NaN, or a cache of another batch size.
+        """
+        config = self.config
+        ids = self._check_ids("canvas", canvas, cache)
+        B, C = ids.shape
+        if C != config.canvas_length:
+            raise InputError(f"canvas has length {C}, but this model's canvas_length is {config.canvas_length}")
+        if self_conditioning_logits is not None:
+            sc = np.asarray(self_conditioning_logits, dtype=np.float32)
+            if sc.shape != (B, C, config.vocab_size):
+                raise InputError(f"self_conditioning_logits has shape {sc.shape}, expected {(B, C, config.vocab_size)}")
+            if np.isnan(sc).any():
+                raise InputError("self_conditioning_logits contains NaN")
+            self_conditioning_logits = sc
+        if self_conditioning_mask is not None and np.shape(self_conditioning_mask) != (B,):
+            raise InputError(f"self_conditioning_mask has shape {np.shape(self_conditioning_mask)}, expected {(B,)}")
+        positions = cache.length + np.arange(C, dtype=np.int64)
+        tables = {kind: rope_cos_sin(np.broadcast_to(positions, (B, C)), omega) for kind, omega in self._omega.items()}
+        h = self.canvas_input(ids, self_conditioning_logits, self_conditioning_mask)
+        for l, w in enumerate(self.layers):
+            x = rms_norm(h, w["input_layernorm"], config.rms_norm_eps)
+            q, k, v = project_qkv(x, w, config, l, *tables[config.layer_types[l]])
+            keys = np.concatenate([cache.keys[l], k], axis=2)  # (B, g, T_l + C, d): read-only use of the cache
+            values = np.concatenate([cache.values[l], v], axis=2)
+            visible = decoder_visibility(cache.is_real[:, cache.positions(l)], C)  # (B, 1, T_l + C)
+            h = self._block_tail(h, attend(q, keys, values, visible), w, w["decoder_layer_scalar"])
+        return self.output_logits(h)
+
+    def output_logits(self, h: np.ndarray) -> np.ndarray:
+        """Final norm, tied output projection and soft-cap: (..., H) -> (..., V) float32."""
+        h = rms_norm(h, self.tensors["final_norm"], self.config.rms_norm_eps)
+        return softcap(h @ self.tensors["embed_tokens"].T, self.config.final_logit_softcapping)
+
+    # ------------------------------------------------------------------ shared block
+    def _block_tail(self, h: np.ndarray, attn: np.ndarray, w: dict, layer_scalar: np.ndarray) -> np.ndarray:
+        """Everything in a block after attention: output projection, both residual adds, the layer scalar.
+
+        h: residual (B, S, H); attn: concatenated heads (B, S, n_h*d). The scalar multiplies the whole
+        residual stream, residual included (trap T9). Returns (B, S, H).
+        """
+        eps = self.config.rms_norm_eps
+        h = h + rms_norm(attn @ w["o_proj"].T, w["post_attention_layernorm"], eps)
+        h = h + feed_forward(h, w, self.config)
+        return h * layer_scalar
