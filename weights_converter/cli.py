@@ -1,0 +1,69 @@
+"""``diffusiongemma-convert SRC DST``: the command-line front end of ``convert``.
+
+Exit status: 0 on success, 1 when the input or the destination is rejected (the message names
+the problem), 130 on Ctrl-C. In every failing case no DST directory is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from diffusiongemma.reference.errors import CheckpointError, ConfigError, InputError
+from diffusiongemma.reference.weights import STORAGE_DTYPES
+
+from .convert import DEFAULT_SHARD_SIZE, convert
+
+_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"2GB"``, ``"500MiB"``, ``"1048576"``; raises ``argparse.ArgumentTypeError``."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 2GB, 500MiB, 1048576)")
+    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return size
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for documentation and tests)."""
+    parser = argparse.ArgumentParser(
+        prog="diffusiongemma-convert",
+        description="Convert a transformers DiffusionGemma checkpoint directory (config.json + "
+                    "safetensors) into the diffusiongemma format.")
+    parser.add_argument("src", metavar="SRC", help="transformers checkpoint directory")
+    parser.add_argument("dst", metavar="DST", help="output directory (must not exist unless --force)")
+    parser.add_argument("--dtype", choices=STORAGE_DTYPES, default="float32",
+                        help="storage dtype of the output (default: float32; bfloat16 rounds to nearest even "
+                             "and keeps a bfloat16 source bit for bit)")
+    parser.add_argument("--shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE,
+                        help="maximum tensor bytes per output file, e.g. 2GB or 500MiB (default: 2GiB); "
+                             "bounds the memory used besides the largest tensor")
+    parser.add_argument("--force", action="store_true",
+                        help="replace DST if it is an existing diffusiongemma checkpoint")
+    parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the converter; prints the summary to stdout and errors to stderr; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        summary = convert(args.src, args.dst, dtype=args.dtype, shard_size=args.shard_size,
+                          force=args.force, progress=not args.no_progress)
+    except (CheckpointError, ConfigError, InputError, OSError) as exc:
+        print(f"diffusiongemma-convert: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("diffusiongemma-convert: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
