@@ -1,0 +1,124 @@
+"""Fetch the King James Bible from Debian, split it into verses, and train a small BPE tokenizer.
+
+Source: Debian package ``bible-kjv-text`` (source package ``bible-kjv``, version 4.38 in bookworm).
+Its copyright file states that the copyright of the King James Version text (1611) has expired; the
+package's compressed data file is readable only with the ``bible`` program from the ``bible-kjv``
+package (GPL-2+), which this script downloads the same way and runs once to dump the text. Neither
+package is installed system-wide: both are fetched with ``apt-get download`` and unpacked with
+``dpkg -x`` under ``examples/data/`` (gitignored). Only the derived plain text and the tokenizer
+trained from it are used later; the ``bible`` binary is never shipped.
+
+Outputs (all under ``--data-dir``, default ``examples/data``):
+
+* ``kjv_verses.tsv``: one verse per line, ``<reference>\\t<text>`` (31 102 lines).
+* ``kjv_train.txt`` / ``kjv_test.txt``: verse texts; the test split is every 50th verse
+  (verse index i with ``i % 50 == 49``), the train split is the rest.
+* ``tokenizer.json``: byte-level BPE (``tokenizers``), 4096 ids in total. Ids 0..4 are the Gemma
+  special tokens ``<pad> <eos> <bos> <unk> <mask>``; the last three ids (4093..4095) are reserved
+  as ``<eoi> <boi> <image>`` so the model's image ids never collide with a text token.
+
+Usage: ``python examples/prepare_data.py`` (idempotent: re-uses the cached download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]  # Gemma ids 0..4
+IMAGE_SPECIALS = ["<eoi>", "<boi>", "<image>"]  # ids V-3, V-2, V-1 (see hf config in train_tiny.py)
+VOCAB_SIZE = 4096
+TEST_EVERY = 50  # verse i is held out when i % TEST_EVERY == TEST_EVERY - 1
+
+
+def _run(cmd: list[str], cwd: Path) -> None:
+    """Run ``cmd`` in ``cwd``; raise RuntimeError with its stderr when it fails."""
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
+
+
+def fetch_debian(pkg: str, raw_dir: Path) -> Path:
+    """Download ``pkg``'s .deb with apt-get (if not cached) and unpack it; return the unpack dir."""
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    debs = sorted(raw_dir.glob(f"{pkg}_*.deb"))
+    if not debs:
+        _run(["apt-get", "download", pkg], cwd=raw_dir)
+        debs = sorted(raw_dir.glob(f"{pkg}_*.deb"))
+    if not debs:
+        raise RuntimeError(f"apt-get download {pkg} produced no .deb in {raw_dir}")
+    out = raw_dir / pkg
+    if not out.exists():
+        _run(["dpkg", "-x", str(debs[-1]), str(out)], cwd=raw_dir)
+    return out
+
+
+def dump_verses(raw_dir: Path) -> list[tuple[str, str]]:
+    """Return all KJV verses as (reference, text), Genesis 1:1 to Revelation 22:21."""
+    text_pkg = fetch_debian("bible-kjv-text", raw_dir)
+    prog_pkg = fetch_debian("bible-kjv", raw_dir)
+    proc = subprocess.run(
+        [str(prog_pkg / "usr/bin/bible"), "-p", str(text_pkg / "usr/lib"), "-f", "gen1:1-rev22:21"],
+        capture_output=True, text=True, check=True)
+    verses = []
+    for line in proc.stdout.splitlines():
+        ref, _, text = line.partition(" ")
+        if text.strip():
+            verses.append((ref, text.strip()))
+    if len(verses) != 31102:
+        raise RuntimeError(f"expected 31102 KJV verses, got {len(verses)}")
+    return verses
+
+
+def train_tokenizer(train_texts: list[str], vocab_size: int = VOCAB_SIZE):
+    """Train a byte-level BPE on ``train_texts``; return a ``tokenizers.Tokenizer`` with exactly
+    ``vocab_size`` ids (Gemma specials at 0..4, image specials at the top three ids)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(IMAGE_SPECIALS), special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(train_texts, trainer=trainer)
+    tok.add_special_tokens(IMAGE_SPECIALS)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} ids, wanted {vocab_size}")
+    for i, name in enumerate(SPECIALS):
+        if tok.token_to_id(name) != i:
+            raise RuntimeError(f"special {name} got id {tok.token_to_id(name)}, wanted {i}")
+    return tok
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, so no partial file is left behind."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data-dir", default=str(Path(__file__).parent / "data"))
+    args = ap.parse_args(argv)
+    data = Path(args.data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    verses = dump_verses(data / "raw")
+    _write_atomic(data / "kjv_verses.tsv", "".join(f"{r}\t{t}\n" for r, t in verses))
+    train = [t for i, (_, t) in enumerate(verses) if i % TEST_EVERY != TEST_EVERY - 1]
+    test = [t for i, (_, t) in enumerate(verses) if i % TEST_EVERY == TEST_EVERY - 1]
+    _write_atomic(data / "kjv_train.txt", "\n".join(train) + "\n")
+    _write_atomic(data / "kjv_test.txt", "\n".join(test) + "\n")
+    tok = train_tokenizer(train)
+    tok.save(str(data / "tokenizer.json"))
+    print(f"{len(train)} train verses, {len(test)} test verses, tokenizer {tok.get_vocab_size()} ids "
+          f"-> {data}")
+
+
+if __name__ == "__main__":
+    main()
