@@ -197,10 +197,13 @@ def test_bfloat16_checkpoint_widens_exactly(tmp_path):
     """A bf16 checkpoint loads widened exactly; computing in float32 matches transformers run on the
     same weights upcast to float32 (SPEC §10: the upcast is exact)."""
     import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
 
-    hf = tiny_model(TinySpec())
-    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    hf.to(torch.float32)  # the bf16-rounded weights, upcast exactly
+    tiny_model(TinySpec()).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    # Reload upcast: the bf16-rounded weights in float32. (Casting the live model back instead would keep
+    # bf16-rounded RoPE frequency buffers, a different model.)
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "bf16", dtype=torch.float32,
+                                                         attn_implementation="eager").eval()
     ours = Model.from_pretrained(tmp_path / "bf16")
     np.testing.assert_array_equal(ours.tensors["embed_tokens"], hf.model.decoder.embed_tokens.weight.detach().numpy())
     prompt = np.random.default_rng(9).integers(3, 125, size=(1, 13))
