@@ -1,0 +1,56 @@
+"""Shared benchmark helpers: the benchmark configs, machine/commit facts, timing."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from hf_tiny import FULL, SLIDING, TinySpec  # noqa: E402
+
+SMALL = TinySpec(vocab_size=8192, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                 layer_types=[SLIDING, FULL, SLIDING, FULL], num_attention_heads=4, num_key_value_heads=2,
+                 num_global_key_value_heads=1, head_dim=64, global_head_dim=128, num_experts=8,
+                 top_k_experts=2, sliding_window=64, canvas_length=64)
+SMALL_PROMPT = 128
+
+MEDIUM = TinySpec(vocab_size=32768, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+                  layer_types=[SLIDING, FULL, SLIDING, FULL], num_attention_heads=8, num_key_value_heads=4,
+                  num_global_key_value_heads=2, head_dim=128, global_head_dim=256, num_experts=16,
+                  top_k_experts=2, sliding_window=128, canvas_length=128)
+MEDIUM_PROMPT = 256
+
+
+def machine_facts() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(__file__)).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        commit, dirty = "unknown", ""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return (f"machine: {cpu}, {os.cpu_count()} cores visible; python {platform.python_version()}; "
+            f"commit {commit}{' (dirty)' if dirty else ''}; load avg {os.getloadavg()[0]:.2f}")
+
+
+def best_of(fn, repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time (seconds) of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
