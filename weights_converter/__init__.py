@@ -4,10 +4,10 @@
     load_transformers_checkpoint(src) -> (ModelConfig, {name: float32 array})
 
 Modules: ``names`` (the HF <-> project name map), ``source`` (reading a transformers directory
-tensor by tensor), ``writer`` (storage casts, shards, atomic output), ``convert`` (the plan that
+tensor by tensor), ``writer`` (storage casts, shards, atomic output), ``conversion`` (the plan that
 accounts for every tensor, and the two entry points), ``cli`` (argparse front end).
 """
 
-from .convert import DEFAULT_SHARD_SIZE, ConversionSummary, convert, load_transformers_checkpoint
+from .conversion import DEFAULT_SHARD_SIZE, ConversionSummary, convert, load_transformers_checkpoint
 
 __all__ = ["DEFAULT_SHARD_SIZE", "ConversionSummary", "convert", "load_transformers_checkpoint"]

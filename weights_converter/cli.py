@@ -13,7 +13,7 @@ import sys
 from diffusiongemma.reference.errors import CheckpointError, ConfigError, InputError
 from diffusiongemma.reference.weights import STORAGE_DTYPES
 
-from .convert import DEFAULT_SHARD_SIZE, convert
+from .conversion import DEFAULT_SHARD_SIZE, convert
 
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
 

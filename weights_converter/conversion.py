@@ -242,7 +242,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
         writer = ShardWriter(tmp, shard_size)
         for name, array in iter_source_tensors(plan, progress=progress):
             source_bytes[plan.sources[name].dtype] += array.nbytes
-            writer.add(name, to_storage(array, dtype, name))
+            writer.add(name, to_storage(array, dtype, _label(plan, name)))
             del array  # let the source copy go before the next read
         weight_map = writer.close()
         copied = _copy_side_files(src, tmp)
@@ -256,6 +256,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
                              parameter_count=parameter_count, source_bytes=dict(source_bytes),
                              output_bytes={dtype: parameter_count * itemsize}, skipped=dict(plan.skipped),
                              files=tuple(writer.files), copied=tuple(copied))
+
+
+def _label(plan: ConversionPlan, name: str) -> str:
+    """How errors name a tensor: its transformers key, then the project name."""
+    return f"{plan.sources[name].name} ({name})"
 
 
 def _copy_side_files(src: str, dst: str) -> list[str]:
@@ -304,5 +309,6 @@ def load_transformers_checkpoint(src: str | os.PathLike,
     checks and errors as ``convert`` (``ConfigError``, ``CheckpointError``), without writing.
     """
     plan = plan_conversion(TransformersCheckpoint.open(src))
-    tensors = {name: to_storage(array, "float32", name) for name, array in iter_source_tensors(plan, progress)}
+    tensors = {name: to_storage(array, "float32", _label(plan, name))
+               for name, array in iter_source_tensors(plan, progress)}
     return plan.checkpoint.config, tensors

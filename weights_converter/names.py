@@ -84,36 +84,37 @@ def hf_name(name: str) -> str:
 def project_name(hf: str) -> str | None:
     """The project name for the transformers key ``hf``, or ``None`` when no rule applies.
 
-    The result follows the renaming rules only; whether a given config has that tensor (for
-    example ``v_proj`` on a full-attention layer) is checked against ``expected_shapes``.
+    The exact inverse of ``hf_name``: a candidate is parsed from ``hf`` and kept only if
+    ``hf_name`` maps it back to ``hf`` (so ``router.scale.weight`` or ``layers.0.q_proj.weight``
+    without ``self_attn.`` are rejected). Whether a given config has the tensor (for example
+    ``v_proj`` on a full-attention layer) is checked against ``expected_shapes`` by the caller.
     """
+    candidate = _parse_candidate(hf)
+    if candidate is None:
+        return None
+    try:
+        return candidate if hf_name(candidate) == hf else None
+    except KeyError:
+        return None
+
+
+def _parse_candidate(hf: str) -> str | None:
+    """Strip the upstream prefixes and suffixes from ``hf`` (unchecked; see ``project_name``)."""
     if hf in _TOP_LEVEL_INVERSE:
         return _TOP_LEVEL_INVERSE[hf]
-    if hf.startswith(DECODER + "self_conditioning.") and hf.endswith(".weight"):
-        return hf[len(DECODER):-len(".weight")]
-    if hf.startswith(ENCODER_TEXT):
-        match = _LAYER_NAME.fullmatch(hf[len(ENCODER_TEXT):])
-        if match and match.group(2) == "layer_scalar":
-            return f"layers.{match.group(1)}.encoder_layer_scalar"
+    for prefix, role in ((ENCODER_TEXT, "encoder"), (DECODER, "decoder")):
+        if hf.startswith(prefix):
+            rest = hf[len(prefix):]
+            break
+    else:
         return None
-    if not hf.startswith(DECODER):
-        return None
-    match = _LAYER_NAME.fullmatch(hf[len(DECODER):])
-    if match is None:
-        return None
+    match = _LAYER_NAME.fullmatch(rest)
+    if match is None:  # self_conditioning.X.weight
+        return rest.removesuffix(".weight")
     layer, rest = match.groups()
     if rest == "layer_scalar":
-        return f"layers.{layer}.decoder_layer_scalar"
-    if rest in BARE_LAYER_TENSORS:
-        return f"layers.{layer}.{rest}"
-    if not rest.endswith(".weight"):
-        return None
-    rest = rest[:-len(".weight")]
-    if rest.startswith("self_attn."):
-        rest = rest[len("self_attn."):]
-        return f"layers.{layer}.{rest}" if rest in ATTENTION_TENSORS else None
-    if rest in ATTENTION_TENSORS:  # attention tensors only exist under self_attn.
-        return None
+        return f"layers.{layer}.{role}_layer_scalar"
+    rest = rest.removeprefix("self_attn.").removesuffix(".weight")
     return f"layers.{layer}.{rest}"
 
 

@@ -43,7 +43,11 @@ def to_storage(array: np.ndarray, dtype: str, name: str = "tensor") -> np.ndarra
     if dtype == "float32":
         out = to_float32(array, name)
     elif dtype == "bfloat16":
-        out = array if array.dtype == BFLOAT16 else to_float32(array, name).astype(BFLOAT16)
+        if array.dtype == BFLOAT16:
+            out = array
+        else:
+            with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf are reported just below
+                out = to_float32(array, name).astype(BFLOAT16)
     else:
         raise InputError(f"dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
     check_finite(out, name)
