@@ -1,0 +1,123 @@
+"""Loading what a command-line run needs from a checkpoint directory: model, tokenizer, chat template,
+generation settings. Works on converted directories and on transformers directories (including the
+sharded bf16 layout of ``google/diffusiongemma-26B-A4B-it``, converted in memory)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from diffusiongemma.reference.errors import CheckpointError
+
+SHIPPED_MODEL = "tiny-kjv"
+
+
+def default_model_dir() -> str:
+    """Path of the small model shipped with the package (``diffusiongemma/assets/tiny-kjv``)."""
+    return str(resources.files("diffusiongemma") / "assets" / SHIPPED_MODEL)
+
+
+def load_model(path: str, backend: str = "reference"):
+    """The model of ``path`` on ``backend``: "reference" (NumPy), "cpu" (Cython fast path), "gpu" (CuPy).
+
+    Raises ``CheckpointError`` for a missing or malformed directory and ``RuntimeError`` when the backend
+    is not available here (e.g. the compiled extension is not built, or no GPU).
+    """
+    if backend == "reference":
+        from diffusiongemma.reference.model import Model
+
+        return Model.from_pretrained(path)
+    try:
+        from diffusiongemma import fast
+    except ImportError as exc:  # pragma: no cover - depends on the build
+        raise RuntimeError(f"backend {backend!r} needs the compiled fast path, which failed to import: {exc}") from exc
+    device = {"cpu": "cpu", "gpu": "cuda"}[backend]
+    return fast.Model.from_pretrained(path, device=device)
+
+
+def generate_function(backend: str):
+    """The ``generate`` implementation of ``backend`` (same arguments and draw contract everywhere)."""
+    if backend == "reference":
+        from diffusiongemma.reference.generate import generate
+
+        return generate
+    from diffusiongemma import fast
+
+    return fast.generate
+
+
+@dataclass
+class TextSide:
+    """Tokenizer and chat template of a checkpoint."""
+
+    tokenizer: Any  # tokenizers.Tokenizer
+    chat_template: str | None  # Jinja source, or None when the checkpoint has none
+    bos_token: str | None
+    eos_token: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, user_text: str) -> str:
+        """Render one user turn plus the generation prompt with the checkpoint's Jinja template
+        (sandboxed, like transformers)."""
+        if self.chat_template is None:
+            raise CheckpointError("--chat was given but this checkpoint has no chat template "
+                                  "(chat_template.jinja or tokenizer_config.json 'chat_template')")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as exc:
+            raise CheckpointError(f"the checkpoint's chat template failed to render: {exc}") from exc
+
+
+def load_text_side(path: str) -> TextSide:
+    """Tokenizer (``tokenizer.json``, via the ``tokenizers`` library) and chat template of ``path``.
+
+    Raises ``CheckpointError`` when ``tokenizer.json`` is missing or unreadable.
+    """
+    from tokenizers import Tokenizer
+
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{path!r} has no tokenizer.json; the command line needs one to turn text into ids")
+    try:
+        tokenizer = Tokenizer.from_file(file)
+    except Exception as exc:  # the tokenizers library raises a plain Exception on bad files
+        raise CheckpointError(f"{file!r} is not a valid tokenizers file: {exc}") from exc
+    config: dict = {}
+    config_file = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(config_file):
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                config = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{config_file!r} is not valid JSON: {exc}") from exc
+    template = None
+    template_file = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(template_file):
+        with open(template_file, encoding="utf-8") as f:
+            template = f.read()
+    elif isinstance(config.get("chat_template"), str):
+        template = config["chat_template"]
+
+    def token(name):
+        value = config.get(name)
+        return value.get("content") if isinstance(value, dict) else value
+
+    return TextSide(tokenizer, template, token("bos_token"), token("eos_token"))
