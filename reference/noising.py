@@ -1,0 +1,412 @@
+"""The block-diffusion training objective: forward (noising) process and loss, in NumPy.
+
+No released ``transformers`` forward computes a DiffusionGemma loss; this module writes the project's
+canonical objective down as small pure functions (TRAINING.md §9). It follows TRL's example script
+(``sft_diffusion_gemma.py``) wherever the upstream recipes differ, and says so function by function:
+
+* one canvas of C response tokens is chosen per example, uniformly (``select_canvas``);
+* its target is those response tokens, with ``<eos>`` filling the tail of the last canvas
+  (``canvas_targets``); the decoder sees the clean L = P + kC tokens before it (``decoder_visibility``);
+* one time t = eps + (1 - eps) u per example (``time_from_uniform``, eps = 1e-3, TRL/NeMo);
+* every canvas position is independently replaced by a uniformly drawn id with probability t, with no
+  mask token (``corrupt``);
+* half of the examples get self-conditioning (``self_conditioning_coin``);
+* the diffusion loss is the plain mean cross-entropy over every canvas position (``diffusion_loss``),
+  plus the encoder's next-token co-loss (``ar_loss``), summed with weight 1 (``total_loss``).
+
+Random draws are explicit inputs (``NoiseDraws``). ``TorchCPUGenerator`` reproduces, without torch, the
+draws a seeded CPU ``torch.Generator`` makes, so a NumPy run and a PyTorch training step (see
+``examples/train_tiny.py``) can consume identical randomness (TRAINING.md §8.2).
+
+Conventions: batch size B, canvas length C, vocabulary V, encoder sequence length S. Token arrays are
+int64, uniforms float32 in [0, 1), logits float32 (soft-capped, as the HF forward returns them).
+Every function raises ``InputError`` (a ``ValueError``) naming the offending value on bad input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InputError
+
+__all__ = [
+    "EPS", "P_SELF_COND", "NoiseDraws", "NoisedBatch", "TorchCPUGenerator",
+    "num_canvases", "select_canvas", "canvas_targets", "time_from_uniform", "corrupt",
+    "self_conditioning_coin", "decoder_visibility", "encoder_input", "noise_batch",
+    "cross_entropy", "diffusion_loss", "ar_loss", "total_loss",
+]
+
+EPS = 1e-3  # lower end of t (TRL and NeMo; JAX uses U[1e-4, 1 - 1e-4))
+P_SELF_COND = 0.5  # per-example self-conditioning probability (all three recipes)
+
+
+# ----------------------------------------------------------------------------------------------------
+# random draws
+
+
+@dataclass(frozen=True)
+class NoiseDraws:
+    """The five random arrays of one training step, in the order TRL draws them (TRAINING.md §8.1).
+
+    u_blk: float32 (B,)    uniform for the canvas choice
+    u_t:   float32 (B, 1)  uniform for the time t
+    u_cor: float32 (B, C)  per-position uniforms; position j is corrupted iff u_cor[j] < t
+    r:     int64 (B, C)    replacement ids in [0, V)
+    u_sc:  float32 (B,)    uniform for the self-conditioning coin
+    """
+
+    u_blk: np.ndarray
+    u_t: np.ndarray
+    u_cor: np.ndarray
+    r: np.ndarray
+    u_sc: np.ndarray
+
+    def __post_init__(self):
+        B = np.shape(self.u_blk)[0] if np.ndim(self.u_blk) == 1 else None
+        if B is None:
+            raise InputError(f"u_blk must be 1-D (B,), got shape {np.shape(self.u_blk)}")
+        C = np.shape(self.u_cor)[-1] if np.ndim(self.u_cor) == 2 else None
+        if C is None:
+            raise InputError(f"u_cor must be 2-D (B, C), got shape {np.shape(self.u_cor)}")
+        for name, shape in (("u_t", (B, 1)), ("u_cor", (B, C)), ("r", (B, C)), ("u_sc", (B,))):
+            if np.shape(getattr(self, name)) != shape:
+                raise InputError(f"{name} must have shape {shape}, got {np.shape(getattr(self, name))}")
+        for name in ("u_blk", "u_t", "u_cor", "u_sc"):
+            u = np.asarray(getattr(self, name))
+            if not (np.all(u >= 0) and np.all(u < 1)):  # also rejects NaN
+                raise InputError(f"{name} must lie in [0, 1), got values outside: {u[~((u >= 0) & (u < 1))]}")
+        if np.any(np.asarray(self.r) < 0):
+            raise InputError(f"r holds negative ids: {np.asarray(self.r)[np.asarray(self.r) < 0]}")
+
+
+class TorchCPUGenerator:
+    """Replays the draws of ``torch.Generator().manual_seed(seed)`` (CPU) in NumPy.
+
+    torch's CPU generator is MT19937 seeded with the reference ``init_genrand(seed)``; for the draws used
+    here every element consumes one 32-bit output w, in row-major order (TRAINING.md §8.2, checked
+    against torch 2.13):
+
+    * ``rand``: float32((w & 0xFFFFFF) * 2**-24), i.e. 24 random bits, values in [0, 1 - 2**-24];
+    * ``randint(high)``: w mod high for 1 <= high < 2**28; for 2**28 <= high < 2**32 torch draws 64 bits
+      per element from two outputs (w_first << 32 | w_second) and takes that mod high.
+
+    Not valid for CUDA generators (Philox) or for other torch distributions.
+    seed: int in [0, 2**32). Raises InputError otherwise.
+    """
+
+    def __init__(self, seed: int):
+        if not (isinstance(seed, (int, np.integer)) and 0 <= int(seed) < 2**32):
+            raise InputError(f"seed must be an int in [0, 2**32), got {seed!r}")
+        legacy = np.random.RandomState(int(seed))  # init_genrand(seed), the same seeding as torch
+        self._bits = np.random.MT19937()
+        self._bits.state = legacy.get_state(legacy=False)
+
+    def _raw(self, shape: tuple) -> np.ndarray:
+        """``prod(shape)`` raw 32-bit outputs as uint64, reshaped to ``shape``."""
+        n = int(np.prod(shape, dtype=np.int64))
+        return self._bits.random_raw(n).reshape(shape)
+
+    def rand(self, *shape: int) -> np.ndarray:
+        """Like ``torch.rand(*shape, generator=g)``: float32 array of ``shape`` in [0, 1)."""
+        return ((self._raw(shape) & 0xFFFFFF).astype(np.float64) * 2.0**-24).astype(np.float32)
+
+    def randint(self, high: int, shape: tuple) -> np.ndarray:
+        """Like ``torch.randint(high, shape, generator=g)``: int64 array in [0, high)."""
+        if not (isinstance(high, (int, np.integer)) and 1 <= int(high) < 2**32):
+            raise InputError(f"randint high must be an int in [1, 2**32), got {high!r}")
+        shape = tuple(shape)
+        if high < 2**28:  # one 32-bit output per element
+            return (self._raw(shape) % np.uint64(high)).astype(np.int64)
+        w = self._raw(shape + (2,))  # torch takes a 64-bit draw: first output is the high word
+        return (((w[..., 0] << np.uint64(32)) | w[..., 1]) % np.uint64(high)).astype(np.int64)
+
+    def training_draws(self, batch: int, canvas: int, vocab: int) -> NoiseDraws:
+        """One step's draws in TRL's order: rand(B), rand(B, 1), rand(B, C), randint(V, (B, C)),
+        rand(B). Matches ``examples/train_tiny.draw_noise`` on a torch generator of the same seed."""
+        for name, v in (("batch", batch), ("canvas", canvas), ("vocab", vocab)):
+            if not (isinstance(v, (int, np.integer)) and v >= 1):
+                raise InputError(f"{name} must be a positive int, got {v!r}")
+        u_blk = self.rand(batch)
+        u_t = self.rand(batch, 1)
+        u_cor = self.rand(batch, canvas)
+        r = self.randint(vocab, (batch, canvas))
+        u_sc = self.rand(batch)
+        return NoiseDraws(u_blk=u_blk, u_t=u_t, u_cor=u_cor, r=r, u_sc=u_sc)
+
+
+# ----------------------------------------------------------------------------------------------------
+# layout: which canvas, its targets, what the decoder sees
+
+
+def _int_vector(name: str, v, batch: int | None = None) -> np.ndarray:
+    """``v`` as an int64 (B,) array; InputError if it is not 1-D integral of the right length."""
+    a = np.asarray(v)
+    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+        raise InputError(f"{name} must be a 1-D integer array, got dtype {a.dtype} shape {a.shape}")
+    if batch is not None and a.shape[0] != batch:
+        raise InputError(f"{name} must have length {batch}, got {a.shape[0]}")
+    return a.astype(np.int64)
+
+
+def num_canvases(resp_len, canvas: int) -> np.ndarray:
+    """Number of canvases n = ceil(R / C) per row.
+
+    resp_len: int (B,) response lengths R >= 1; canvas: C >= 1. Returns int64 (B,).
+    Raises InputError for R < 1 (an empty response has no canvas to score) or C < 1.
+    """
+    R = _int_vector("resp_len", resp_len)
+    if canvas < 1:
+        raise InputError(f"canvas length must be >= 1, got {canvas}")
+    if np.any(R < 1):
+        raise InputError(f"every response needs at least one token, got lengths {R[R < 1].tolist()}")
+    return (R - 1) // canvas + 1
+
+
+def select_canvas(u_blk, n) -> np.ndarray:
+    """Canvas index k = trunc(float32(u * n)), clamped to n - 1 (TRL and NeMo's ``floor(u * n)``).
+
+    u_blk: float32 (B,) in [0, 1); n: int (B,) >= 1. Returns int64 (B,), uniform over {0..n-1} for
+    uniform u. The product is rounded to float32 first, exactly as torch computes it; the clamp is only
+    a guard (float32 u <= 1 - 2**-24 never rounds up to n for the n used in practice).
+    """
+    n = _int_vector("n", n)
+    u = np.asarray(u_blk, dtype=np.float32)
+    if u.shape != n.shape:
+        raise InputError(f"u_blk shape {u.shape} != n shape {n.shape}")
+    if np.any(n < 1):
+        raise InputError(f"n must be >= 1, got {n[n < 1].tolist()}")
+    k = (u * n.astype(np.float32)).astype(np.float32).astype(np.int64)  # float32 product, truncated
+    return np.minimum(k, n - 1)
+
+
+def canvas_targets(x, prompt_len, resp_len, k, canvas: int, eos_id: int = 1) -> np.ndarray:
+    """Targets y (B, C) of the selected canvases, with the EOS fill.
+
+    x: int (B, S) rows [prompt (P) | response (R) | padding]; prompt_len, resp_len, k: int (B,).
+    y[b, j] = x[b, P_b + k_b*C + j] while k_b*C + j < R_b, else ``eos_id`` (only the last canvas of a
+    response can be partial, and only it gets a fill; all three recipes supervise the fill).
+    Raises InputError if a row is shorter than P + R or k is out of range.
+    """
+    x = np.asarray(x)
+    if x.ndim != 2:
+        raise InputError(f"x must be 2-D (B, S), got shape {x.shape}")
+    B, S = x.shape
+    P = _int_vector("prompt_len", prompt_len, B)
+    R = _int_vector("resp_len", resp_len, B)
+    k = _int_vector("k", k, B)
+    n = num_canvases(R, canvas)
+    if np.any(P < 0) or np.any(P + R > S):
+        raise InputError(f"prompt_len + resp_len must fit in S={S}: P={P.tolist()} R={R.tolist()}")
+    if np.any((k < 0) | (k >= n)):
+        raise InputError(f"canvas index k={k.tolist()} out of range for n={n.tolist()}")
+    off = k[:, None] * canvas + np.arange(canvas)[None, :]  # (B, C) offsets into the response
+    inside = off < R[:, None]
+    col = np.where(inside, P[:, None] + off, 0)  # (B, C) columns of x (0 where filled)
+    return np.where(inside, np.take_along_axis(x, col, axis=1), eos_id).astype(np.int64)
+
+
+def decoder_visibility(context_len, valid, canvas: int, window: int) -> dict:
+    """Which keys each canvas query of the training decoder sees (TRAINING.md §2.3).
+
+    context_len: int (B,) L = P + kC; valid: (B, S) keep-mask of the encoder input; canvas: C;
+    window: W (``sliding_window``). Returns {"full_attention": bool (B, S + C),
+    "sliding_attention": bool (B, S + C)}, the same for every query of a canvas:
+    full layers see encoder key i iff i < L and valid; sliding layers additionally need
+    i >= L - (W - 1) (the last W - 1 clean tokens before the canvas, block-anchored, as the inference
+    cache holds them); the C canvas keys are always visible. This is the geometry of encoding the
+    L-token prefix and then decoding, i.e. NeMo's explicit mask and TRL's cut done right.
+    """
+    valid = np.asarray(valid) != 0
+    if valid.ndim != 2:
+        raise InputError(f"valid must be 2-D (B, S), got shape {valid.shape}")
+    B, S = valid.shape
+    L = _int_vector("context_len", context_len, B)
+    if window < 1:
+        raise InputError(f"window must be >= 1, got {window}")
+    if np.any((L < 0) | (L > S)):
+        raise InputError(f"context_len must lie in [0, {S}], got {L.tolist()}")
+    i = np.arange(S)[None, :]
+    full = (i < L[:, None]) & valid
+    slide = full & (i >= L[:, None] - (window - 1))
+    ones = np.ones((B, canvas), bool)
+    return {"full_attention": np.concatenate([full, ones], 1),
+            "sliding_attention": np.concatenate([slide, ones], 1)}
+
+
+def encoder_input(x, prompt_len, resp_len, canvas: int, eos_id: int = 1, append_fill: bool = False):
+    """The clean encoder sequence and its valid mask.
+
+    Default (TRL): x itself, valid on the first P + R positions. With ``append_fill`` (JAX/NeMo) the
+    response is followed by the EOS fill up to a whole number of canvases, so the AR loss also scores
+    the fill. Returns (tokens int64 (B, S'), valid bool (B, S')) with S' = S (default) or
+    max(P + nC) when that is longer.
+    """
+    x = np.asarray(x)
+    if x.ndim != 2:
+        raise InputError(f"x must be 2-D (B, S), got shape {x.shape}")
+    B, S = x.shape
+    P = _int_vector("prompt_len", prompt_len, B)
+    R = _int_vector("resp_len", resp_len, B)
+    if np.any(P + R > S):
+        raise InputError(f"prompt_len + resp_len must fit in S={S}: P={P.tolist()} R={R.tolist()}")
+    end = P + R
+    if append_fill:
+        end = P + num_canvases(R, canvas) * canvas
+    width = max(S, int(end.max()))
+    i = np.arange(width)[None, :]
+    tokens = np.zeros((B, width), np.int64)
+    tokens[:, :S] = x
+    fill = (i >= (P + R)[:, None]) & (i < end[:, None])
+    tokens = np.where(fill, eos_id, tokens)
+    return tokens, i < end[:, None]
+
+
+# ----------------------------------------------------------------------------------------------------
+# the forward process
+
+
+def time_from_uniform(u_t, eps: float = EPS) -> np.ndarray:
+    """t = eps + (1 - eps) * u in float32 (multiply, then add), so t in [eps, 1) (TRL and NeMo).
+
+    u_t: float32 (B, 1) in [0, 1). Returns float32 (B, 1). JAX instead draws t ~ U[1e-4, 1 - 1e-4).
+    """
+    if not (0.0 <= eps < 1.0):
+        raise InputError(f"eps must lie in [0, 1), got {eps}")
+    u = np.asarray(u_t, dtype=np.float32)
+    return (np.float32(eps) + np.float32(1.0 - eps) * u).astype(np.float32)
+
+
+def corrupt(y, t, u_cor, r):
+    """Uniform-state corruption of a canvas (no mask token; all three recipes).
+
+    y: int (B, C) clean targets; t: float32 (B, 1) corruption rate per example; u_cor: float32 (B, C);
+    r: int (B, C) replacement ids. Position j is corrupted iff u_cor[j] < t (TRL/NeMo's direction of the
+    comparison; JAX draws keep = u < 1 - t, the same law from a different map) and then holds r[j].
+    r may equal y[j]: the position is still flagged. Returns (x_noisy int64 (B, C), corrupted bool (B, C)).
+    """
+    y = np.asarray(y)
+    u = np.asarray(u_cor, dtype=np.float32)
+    r = np.asarray(r)
+    t = np.asarray(t, dtype=np.float32)
+    if y.ndim != 2 or u.shape != y.shape or r.shape != y.shape:
+        raise InputError(f"y, u_cor, r must share one (B, C) shape, got {y.shape}, {u.shape}, {r.shape}")
+    if t.shape != (y.shape[0], 1):
+        raise InputError(f"t must have shape ({y.shape[0]}, 1), got {t.shape}")
+    corrupted = u < t
+    return np.where(corrupted, r, y).astype(np.int64), corrupted
+
+
+def self_conditioning_coin(u_sc, p: float = P_SELF_COND) -> np.ndarray:
+    """Per-example self-conditioning flag s = u_sc < p; float32 (B,) -> bool (B,).
+
+    Examples with s = False get a zero self-conditioning embedding in the second pass (HF's
+    ``self_conditioning_mask``, as NeMo and TRL); JAX feeds zero logits instead (TRAINING.md §5).
+    """
+    if not (0.0 <= p <= 1.0):
+        raise InputError(f"self-conditioning probability must lie in [0, 1], got {p}")
+    return np.asarray(u_sc, dtype=np.float32) < np.float32(p)
+
+
+@dataclass(frozen=True)
+class NoisedBatch:
+    """Everything the decoder and the loss need for one batch (shapes for batch B, canvas C).
+
+    k: int64 (B,) selected canvas; context_len: int64 (B,) L = P + kC; positions: int64 (B, C) absolute
+    canvas positions L + j; targets: int64 (B, C); t: float32 (B, 1); corrupted: bool (B, C);
+    noisy: int64 (B, C) decoder input; self_cond: bool (B,).
+    """
+
+    k: np.ndarray
+    context_len: np.ndarray
+    positions: np.ndarray
+    targets: np.ndarray
+    t: np.ndarray
+    corrupted: np.ndarray
+    noisy: np.ndarray
+    self_cond: np.ndarray
+
+
+def noise_batch(x, prompt_len, resp_len, draws: NoiseDraws, vocab: int, eos_id: int = 1,
+                eps: float = EPS, p_self_cond: float = P_SELF_COND, t=None) -> NoisedBatch:
+    """Apply the whole forward process to a batch (TRAINING.md §9 steps 1-3).
+
+    x: int (B, S) rows [prompt | response | pad]; prompt_len, resp_len: int (B,); draws: ``NoiseDraws``
+    with C = draws.u_cor.shape[1]; vocab: V (replacement ids must be < V). ``t`` (float32 (B, 1)), when
+    given, replaces ``time_from_uniform(draws.u_t)`` (used by the worked example). Returns ``NoisedBatch``.
+    """
+    canvas = draws.u_cor.shape[1]
+    if np.any(np.asarray(draws.r) >= vocab):
+        raise InputError(f"replacement ids must be < vocab={vocab}, got max {int(np.max(draws.r))}")
+    k = select_canvas(draws.u_blk, num_canvases(resp_len, canvas))
+    y = canvas_targets(x, prompt_len, resp_len, k, canvas, eos_id)
+    tt = time_from_uniform(draws.u_t, eps) if t is None else np.asarray(t, dtype=np.float32)
+    noisy, corrupted = corrupt(y, tt, draws.u_cor, draws.r)
+    L = _int_vector("prompt_len", prompt_len) + k * canvas
+    return NoisedBatch(k=k, context_len=L, positions=L[:, None] + np.arange(canvas)[None, :],
+                       targets=y, t=tt, corrupted=corrupted, noisy=noisy,
+                       self_cond=self_conditioning_coin(draws.u_sc, p_self_cond))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the loss
+
+
+def cross_entropy(logits, targets) -> np.ndarray:
+    """Per-position CE = logsumexp(z) - z[target], computed in float64.
+
+    logits: float (..., V), finite; targets: int (...) in [0, V). Returns float64 (...).
+    """
+    z = np.asarray(logits, dtype=np.float64)
+    y = np.asarray(targets)
+    if z.shape[:-1] != y.shape:
+        raise InputError(f"logits shape {z.shape} does not match targets shape {y.shape}")
+    if not np.all(np.isfinite(z)):
+        raise InputError("logits contain NaN or inf")
+    if np.any((y < 0) | (y >= z.shape[-1])):
+        raise InputError(f"targets must lie in [0, {z.shape[-1]}), got {y[(y < 0) | (y >= z.shape[-1])]}")
+    m = z.max(axis=-1, keepdims=True)
+    lse = (m + np.log(np.exp(z - m).sum(axis=-1, keepdims=True)))[..., 0]
+    return lse - np.take_along_axis(z, y[..., None], axis=-1)[..., 0]
+
+
+def diffusion_loss(logits, targets) -> float:
+    """Denoising loss: mean CE over all B*C canvas positions (corrupted or not, EOS fill included).
+
+    logits: float32 (B, C, V) soft-capped decoder logits of the second (self-conditioned) pass;
+    targets: int (B, C). No time weighting (JAX ``NoWeightDiscreteLoss``, NeMo, TRL). Per-example mean
+    then batch mean (JAX) equals this, since every canvas has exactly C scored positions.
+    """
+    ce = cross_entropy(logits, targets)
+    if ce.ndim != 2:
+        raise InputError(f"diffusion logits must be (B, C, V), got shape {np.shape(logits)}")
+    return float(ce.mean())
+
+
+def ar_loss(logits, tokens, valid, reduction: str = "token") -> float:
+    """Encoder next-token co-loss over the clean sequence, prompt included (no SFT label masking).
+
+    logits: float32 (B, S, V) soft-capped encoder logits; tokens: int (B, S); valid: (B, S) keep-mask.
+    Scored pairs: (i, i+1) with both valid, target tokens[i+1]. ``reduction``: "token" = sum over pairs
+    / number of pairs (TRL, NeMo), "example" = per-row mean, then mean over all B rows, a row without a
+    pair counting 0 (JAX). Raises InputError for another reduction or a batch without any pair.
+    """
+    v = np.asarray(valid) != 0
+    tok = np.asarray(tokens)
+    if v.shape != tok.shape or tok.ndim != 2:
+        raise InputError(f"tokens {tok.shape} and valid {v.shape} must share one (B, S) shape")
+    pair = v[:, :-1] & v[:, 1:]  # (B, S-1)
+    if not pair.any():
+        raise InputError("ar_loss: the batch has no valid next-token pair")
+    ce = np.where(pair, cross_entropy(np.asarray(logits)[:, :-1], tok[:, 1:]), 0.0)
+    if reduction == "token":
+        return float(ce.sum() / pair.sum())
+    if reduction == "example":
+        return float((ce.sum(1) / np.maximum(pair.sum(1), 1)).mean())
+    raise InputError(f"reduction must be 'token' or 'example', got {reduction!r}")
+
+
+def total_loss(diff: float, ar: float, w_dec: float = 1.0, w_enc: float = 1.0) -> float:
+    """L = w_dec * L_diff + w_enc * L_AR (both weights 1 in every official recipe)."""
+    return float(w_dec * diff + w_enc * ar)
