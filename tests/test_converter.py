@@ -68,6 +68,12 @@ def hf_bf16(hf_model, tmp_path_factory):
     return model, path
 
 
+@pytest.fixture(scope="module")
+def f32_state(hf_dir):
+    """(tensors, config.json dict) of the float32 checkpoint, for building altered copies."""
+    return read_file(hf_dir / SINGLE), json.loads((hf_dir / "config.json").read_text())
+
+
 def hf_parameters(model) -> dict:
     """Project name -> torch tensor, found by walking the transformers modules (not the name map)."""
     dec, enc = model.model.decoder, model.model.encoder.language_model
@@ -239,6 +245,17 @@ def test_float32_source_to_bfloat16_rounds_like_torch(hf_model, hf_dir, tmp_path
         np.testing.assert_array_equal(bits(stored[name]), bits(as_numpy(param.to(torch.bfloat16))), err_msg=name)
 
 
+def test_float16_source_widens_exactly(f32_state, tmp_path):
+    tensors, config = f32_state
+    half = {k: v.astype(np.float16) for k, v in tensors.items()}
+    src = make_checkpoint(tmp_path / "src", half, config)
+    convert(src, tmp_path / "out", progress=False)
+    _, converted = load_converted(tmp_path / "out")
+    for name in converted:
+        np.testing.assert_array_equal(converted[name], half[hf_name(name)].astype(np.float32), err_msg=name)
+    assert json.loads((tmp_path / "out" / "diffusiongemma.json").read_text())["source"]["dtypes"] == {"F16": len(converted)}
+
+
 # ---------------------------------------------------------------------------------------------- dtype properties
 def rne_bfloat16_bits(f32_bits: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even float32 -> bfloat16 on bit patterns (finite inputs), independent of ml_dtypes."""
@@ -376,11 +393,6 @@ def test_differing_tied_copy_is_an_error(full_state, key, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- bad input
-@pytest.fixture(scope="module")
-def f32_state(hf_dir):
-    return read_file(hf_dir / SINGLE), json.loads((hf_dir / "config.json").read_text())
-
-
 def _drop(key):
     def edit(t, c):
         del t[key]
@@ -432,6 +444,13 @@ BAD_CHECKPOINTS = {
                                      r"but config\.json implies \(32, 64\)"),
     "wrong scalar shape": (_put("model.encoder.language_model.layers.0.layer_scalar", np.ones(2, np.float32)),
                            CheckpointError, r"layer_scalar' .* shape \(2,\), but config\.json implies \(1,\)"),
+    "tied copy without source": (_put("model.encoder.language_model.layers.2.self_attn.v_proj.weight",
+                                      np.zeros((32, 64), np.float32)), CheckpointError,
+                                 r"'model\.encoder\.language_model\.layers\.2\.self_attn\.v_proj\.weight' is a tied "
+                                 r"copy of 'model\.decoder\.layers\.2\.self_attn\.v_proj\.weight', which this checkpoint"),
+    "tied copy wrong shape": (_put("lm_head.weight", np.zeros((64, 128), np.float32)), CheckpointError,
+                              r"tied tensor 'lm_head\.weight' has shape \(64, 128\), but its source "
+                              r"'model\.decoder\.embed_tokens\.weight' has shape \(128, 64\)"),
     "integer dtype": (_put("model.decoder.norm.weight", np.ones(64, np.int64)), CheckpointError,
                       r"'model\.decoder\.norm\.weight' has dtype I64"),
     "NaN weight": (_nan, CheckpointError,
