@@ -230,6 +230,11 @@ class ModelConfig:
             rope[kind] = RopeParameters(rope_type=params.get("rope_type", "default"),
                                         rope_theta=float(params.get("rope_theta", 10_000.0)),
                                         partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)))
+        for where, value in (("tie_word_embeddings", config.get("tie_word_embeddings")),
+                             ("text_config.tie_word_embeddings", text.get("tie_word_embeddings"))):
+            if value is False:
+                raise ConfigError(f"{where}=False is not supported: DiffusionGemma ties the output projection "
+                                  "and the encoder to the decoder's embedding table")
         if text.get("attention_bias"):
             raise ConfigError("attention_bias=True is not supported (DiffusionGemma has no biases)")
         eos = get("eos_token_id", 1)

@@ -83,6 +83,7 @@ def test_missing_model_directory(tmp_path):
     ("layer_types", ["full_attention", "sliding_attention"], r"layer_types\[-1\]"),
     ("vocab_size", 0, "vocab_size must be a positive integer"),
     ("top_k_experts", 9, "top_k_experts"),
+    ("tie_word_embeddings", False, "tie_word_embeddings=False"),
 ])
 def test_bad_config_values(field, value, match):
     text = dict(model_type="diffusion_gemma_text", vocab_size=64, hidden_size=16, intermediate_size=8,
