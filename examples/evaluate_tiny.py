@@ -101,7 +101,7 @@ def heldout_losses(model, plain, spaced, batches: int, batch_size: int, seed: in
 @torch.no_grad()
 def sample(model, tokenizer, prompt: str, seed: int):
     """Generate a continuation of ``prompt`` (with <bos>); return (text, tokens/forward, ended_with_eos)."""
-    ids = torch.tensor([[TT.BOS_ID] + tokenizer.encode(prompt).ids])
+    ids = torch.tensor([[TT.BOS_ID] + tokenizer.encode(prompt, add_special_tokens=False).ids])
     torch.manual_seed(seed)
     out = model.generate(ids)
     new = out.sequences[0, ids.shape[1]:].tolist()

@@ -15,7 +15,9 @@ Outputs (all under ``--data-dir``, default ``examples/data``):
   (verse index i with ``i % 50 == 49``), the train split is the rest.
 * ``tokenizer.json``: byte-level BPE (``tokenizers``), 4096 ids in total. Ids 0..4 are the Gemma
   special tokens ``<pad> <eos> <bos> <unk> <mask>``; the last three ids (4093..4095) are reserved
-  as ``<eoi> <boi> <image>`` so the model's image ids never collide with a text token.
+  as ``<eoi> <boi> <image>`` so the model's image ids never collide with a text token. ``encode``
+  prepends ``<bos>`` unless called with ``add_special_tokens=False``.
+* ``tokenizer_config.json``: the special-token names (bos/eos/pad/unk/mask) for transformers.
 
 Usage: ``python examples/prepare_data.py`` (idempotent: re-uses the cached download).
 """
@@ -23,6 +25,7 @@ Usage: ``python examples/prepare_data.py`` (idempotent: re-uses the cached downl
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import tempfile
@@ -86,12 +89,29 @@ def train_tokenizer(train_texts: list[str], vocab_size: int = VOCAB_SIZE):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(train_texts, trainer=trainer)
     tok.add_special_tokens(IMAGE_SPECIALS)
+    add_bos_post_processor(tok)
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} ids, wanted {vocab_size}")
     for i, name in enumerate(SPECIALS):
         if tok.token_to_id(name) != i:
             raise RuntimeError(f"special {name} got id {tok.token_to_id(name)}, wanted {i}")
     return tok
+
+
+def add_bos_post_processor(tok) -> None:
+    """Make ``encode(text)`` (add_special_tokens=True, the default) prepend ``<bos>`` (id 2), as the
+    Gemma tokenizer does; ``add_special_tokens=False`` gives the bare ids. Training data is encoded bare
+    and gets its ``<bos>`` explicitly (examples/train_tiny.py)."""
+    from tokenizers import processors
+
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                       special_tokens=[("<bos>", SPECIALS.index("<bos>"))])
+
+
+TOKENIZER_CONFIG = {  # read by transformers' PreTrainedTokenizerFast and by the command line
+    "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+    "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>", "add_bos_token": True,
+    "model_max_length": 4096}
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -116,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     _write_atomic(data / "kjv_test.txt", "\n".join(test) + "\n")
     tok = train_tokenizer(train)
     tok.save(str(data / "tokenizer.json"))
+    _write_atomic(data / "tokenizer_config.json", json.dumps(TOKENIZER_CONFIG, indent=1) + "\n")
     print(f"{len(train)} train verses, {len(test)} test verses, tokenizer {tok.get_vocab_size()} ids "
           f"-> {data}")
 

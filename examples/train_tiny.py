@@ -295,8 +295,9 @@ def load_verses(data_dir: str, split: str, tokenizer) -> tuple[list, list]:
     if not path.exists():
         raise FileNotFoundError(f"{path} missing: run examples/prepare_data.py first")
     lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln]
-    plain = [np.asarray(e.ids, np.int64) for e in tokenizer.encode_batch(lines)]
-    spaced = [np.asarray(e.ids, np.int64) for e in tokenizer.encode_batch([" " + ln for ln in lines])]
+    bare = dict(add_special_tokens=False)  # <bos> is added by make_batch
+    plain = [np.asarray(e.ids, np.int64) for e in tokenizer.encode_batch(lines, **bare)]
+    spaced = [np.asarray(e.ids, np.int64) for e in tokenizer.encode_batch([" " + ln for ln in lines], **bare)]
     return plain, spaced
 
 
@@ -340,7 +341,8 @@ def generation_defaults(spec: ModelSpec) -> dict:
 
 
 def save_checkpoint(model, out: str, tokenizer_path: Path, spec: ModelSpec, meta: dict) -> None:
-    """Write model (safetensors, fp32), tokenizer.json, generation_config.json and train_meta.json to
+    """Write model (safetensors, fp32), tokenizer.json (+ tokenizer_config.json when the data folder has
+    one), generation_config.json and train_meta.json to
     ``out`` through a sibling temporary directory, then swap it in (no half-written checkpoint)."""
     from transformers import GenerationConfig
 
@@ -352,6 +354,8 @@ def save_checkpoint(model, out: str, tokenizer_path: Path, spec: ModelSpec, meta
     model.generation_config = GenerationConfig(**generation_defaults(spec))
     model.save_pretrained(tmp)
     shutil.copy(tokenizer_path, tmp / "tokenizer.json")
+    if (tokenizer_path.parent / "tokenizer_config.json").exists():
+        shutil.copy(tokenizer_path.parent / "tokenizer_config.json", tmp / "tokenizer_config.json")
     (tmp / "train_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     old = out.with_name(out.name + ".old")
     if out.exists():
