@@ -1,0 +1,864 @@
+# cython: language_level=3
+"""Compiled CPU kernels of the fast path.
+
+Everything here operates on float32 C-contiguous arrays (the last axis at least) and writes into
+caller-provided outputs, so that a denoising step allocates nothing. Large matrix products are *not*
+here: they stay on NumPy's BLAS (``numpy.matmul(..., out=...)``); these kernels cover what surrounds
+them: fused normalisations, rotary embedding, gated GELU, attention, the expert dispatch bookkeeping
+and the per-step sampling pass.
+
+Numerics. Each kernel computes the same float32 formula as the reference function named in its
+docstring, with two kinds of deviation, both at float32 rounding level:
+
+* sums run in a different order (eight interleaved lanes, then a fixed tree), and the long ones
+  (norms, softmax denominators, entropies) accumulate in float64;
+* ``exp`` and ``tanh`` come from the branch-free single-precision approximations below (Cody-Waite
+  range reduction and the Cephes polynomials, within ~2 ulp of the correctly rounded value) instead
+  of NumPy's, so that the compiler can vectorise the loops that use them.
+
+The inner loops are plain C written so that GCC auto-vectorises them; on x86-64 GCC they are compiled
+twice (baseline SSE2 and AVX2, picked at load time by ``target_clones``). Both clones perform the
+same IEEE operations in the same order (no FMA contraction: setup.py passes -ffp-contract=off, and
+AVX2 does not imply FMA), so results do not depend on the machine. Parallel loops use OpenMP
+``prange``; without OpenMP they run serially and compute the same numbers (work is split by rows,
+and no reduction crosses rows).
+"""
+
+cimport cython
+from cython.parallel import prange, threadid
+from libc.stdint cimport int64_t, uint8_t
+from libc.math cimport INFINITY, log
+
+import numpy as np
+
+cdef extern from *:
+    """
+    #include <math.h>
+    #include <stdint.h>
+    #include <string.h>
+    #ifdef _OPENMP
+    #include <omp.h>
+    static int dg_max_threads(void) { return omp_get_max_threads(); }
+    #else
+    static int dg_max_threads(void) { return 1; }
+    #endif
+
+    /* Let GCC if-convert the branch-free selects below into vector blends. This changes no value:
+       it only stops the compiler from preserving floating-point exception flags, which nothing reads. */
+    #if defined(__GNUC__) && !defined(__clang__)
+    #pragma GCC optimize ("no-trapping-math")
+    #endif
+
+    #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(DG_NO_CLONES)
+    #define DG_CLONES __attribute__((target_clones("avx2", "default")))
+    #else
+    #define DG_CLONES
+    #endif
+
+    /* exp(x) in single precision, branch-free so that loops calling it vectorise.
+       Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, Cephes polynomial for exp(r), then 2^n applied
+       as two factors 2^(n/2) so that results in the subnormal range round like a libm expf.
+       Below -103.98 (and for -inf) the result is 0, above 88.7228 it is +inf; NaN propagates. */
+    static inline float dg_expf(float x) {
+        const float hi = 88.72283935546875f, lo = -103.97208f;
+        float xc = x > hi ? hi : x;
+        xc = xc < lo ? lo : xc;
+        float fx = xc * 1.44269504088896341f;
+        float n = (fx + 12582912.0f) - 12582912.0f;        /* round to nearest integer */
+        float r = xc - n * 0.693359375f;
+        r = r - n * -2.12194440e-4f;
+        float z = r * r;
+        float y = 1.9875691500E-4f;
+        y = y * r + 1.3981999507E-3f;
+        y = y * r + 8.3334519073E-3f;
+        y = y * r + 4.1665795894E-2f;
+        y = y * r + 1.6666665459E-1f;
+        y = y * r + 5.0000001201E-1f;
+        y = y * z + r;
+        y = y + 1.0f;
+        int32_t ni = (int32_t)n;
+        int32_t n1 = ni >> 1, n2 = ni - (ni >> 1);
+        uint32_t b1 = (uint32_t)(n1 + 127) << 23, b2 = (uint32_t)(n2 + 127) << 23;
+        float s1, s2;
+        memcpy(&s1, &b1, 4);
+        memcpy(&s2, &b2, 4);
+        float result = (y * s1) * s2;
+        result = x < lo ? 0.0f : result;
+        result = x > hi ? INFINITY : result;
+        return x != x ? x : result;
+    }
+
+    /* tanh(x) in single precision, branch-free: the Cephes odd polynomial for |x| < 0.625, otherwise
+       1 - 2 / (exp(2|x|) + 1) with the sign restored; |x| is clamped at 9.1 where tanh rounds to 1. */
+    static inline float dg_tanhf(float x) {
+        float ax = fabsf(x);
+        float z = x * x;
+        float p = -5.70498872745E-3f;
+        p = p * z + 2.06390887954E-2f;
+        p = p * z - 5.37397155531E-2f;
+        p = p * z + 1.33314422036E-1f;
+        p = p * z - 3.33332819422E-1f;
+        float small = p * z * x + x;
+        float ac = ax > 9.1f ? 9.1f : ax;
+        float e = dg_expf(2.0f * ac);
+        float big = 1.0f - 2.0f / (e + 1.0f);
+        big = x < 0.0f ? -big : big;
+        float result = ax < 0.625f ? small : big;
+        return x != x ? x : result;
+    }
+
+    /* GELU, tanh approximation, in the reference's operation order:
+       0.5*x * (1 + tanh(sqrt(2/pi) * (x + 0.044715*x*x*x))). */
+    static inline float dg_gelu(float x) {
+        float inner = 0.7978845834732056f * (x + 0.044715f * x * x * x);
+        return 0.5f * x * (1.0f + dg_tanhf(inner));
+    }
+
+    /* sum of a[i]*b[i] over eight interleaved float32 lanes, combined by a fixed tree */
+    static inline float dg_dot(const float *a, const float *b, Py_ssize_t n) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        Py_ssize_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
+        float tail = 0.0f;
+        for (; i < n; i++) tail += a[i] * b[i];
+        return (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) + tail;
+    }
+
+    /* sum of squares of x in float64 (four interleaved lanes) */
+    static inline double dg_sumsq(const float *x, Py_ssize_t n) {
+        double acc[4] = {0, 0, 0, 0};
+        Py_ssize_t i = 0;
+        for (; i + 4 <= n; i += 4)
+            for (int l = 0; l < 4; l++) acc[l] += (double)x[i + l] * (double)x[i + l];
+        double tail = 0.0;
+        for (; i < n; i++) tail += (double)x[i] * (double)x[i];
+        return ((acc[0] + acc[2]) + (acc[1] + acc[3])) + tail;
+    }
+
+    /* the reference's RMSNorm factor: float32((mean(x^2) + eps) ** -0.5) */
+    static inline float dg_rms_factor(const float *x, Py_ssize_t n, float eps) {
+        float mean_square = (float)(dg_sumsq(x, n) / (double)n);
+        return powf(mean_square + eps, -0.5f);
+    }
+
+    /* out = x * factor (* w when w is not NULL); out may alias x */
+    DG_CLONES static void dg_scale_row(const float *x, float factor, const float *w, Py_ssize_t n, float *out) {
+        if (w) { for (Py_ssize_t i = 0; i < n; i++) out[i] = (x[i] * factor) * w[i]; }
+        else   { for (Py_ssize_t i = 0; i < n; i++) out[i] = x[i] * factor; }
+    }
+
+    /* h = (h + (y * factor) * w) * scalar */
+    DG_CLONES static void dg_residual_row(float *h, const float *y, float factor, const float *w, float scalar,
+                                          Py_ssize_t n) {
+        for (Py_ssize_t i = 0; i < n; i++) h[i] = (h[i] + (y[i] * factor) * w[i]) * scalar;
+    }
+
+    /* a = (a * fa) * wa + (b * fb) * wb, in place in a */
+    DG_CLONES static void dg_add_normed_rows(float *a, float fa, const float *wa, const float *b, float fb,
+                                             const float *wb, Py_ssize_t n) {
+        for (Py_ssize_t i = 0; i < n; i++) a[i] = (a[i] * fa) * wa[i] + (b[i] * fb) * wb[i];
+    }
+
+    /* rotate-half RoPE in place: pairs (j, j + half) */
+    DG_CLONES static void dg_rope_row(float *x, const float *c, const float *s, Py_ssize_t half) {
+        for (Py_ssize_t j = 0; j < half; j++) {
+            float a = x[j], b = x[j + half];
+            x[j] = a * c[j] - b * s[j];
+            x[j + half] = b * c[j] + a * s[j];
+        }
+    }
+
+    DG_CLONES static void dg_gelu_gate_row(const float *g, const float *u, Py_ssize_t n, float *out) {
+        for (Py_ssize_t i = 0; i < n; i++) out[i] = dg_gelu(g[i]) * u[i];
+    }
+
+    DG_CLONES static void dg_softcap_row(float *x, float cap, Py_ssize_t n) {
+        for (Py_ssize_t i = 0; i < n; i++) x[i] = cap * dg_tanhf(x[i] / cap);
+    }
+
+    DG_CLONES static float dg_max_row(const float *x, Py_ssize_t n) {
+        float m[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        Py_ssize_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int l = 0; l < 8; l++) m[l] = x[i + l] > m[l] ? x[i + l] : m[l];
+        float best = -INFINITY;
+        for (int l = 0; l < 8; l++) best = m[l] > best ? m[l] : best;
+        for (; i < n; i++) best = x[i] > best ? x[i] : best;
+        return best;
+    }
+
+    /* out = exp(x - shift); returns the float64 sum of out */
+    DG_CLONES static double dg_exp_shift_row(const float *x, float shift, Py_ssize_t n, float *out) {
+        double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        Py_ssize_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int l = 0; l < 8; l++) { float e = dg_expf(x[i + l] - shift); out[i + l] = e; acc[l] += (double)e; }
+        double tail = 0.0;
+        for (; i < n; i++) { float e = dg_expf(x[i] - shift); out[i] = e; tail += (double)e; }
+        return (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) + tail;
+    }
+
+    DG_CLONES static void dg_div_row(float *x, float d, Py_ssize_t n) {
+        for (Py_ssize_t i = 0; i < n; i++) x[i] = x[i] / d;
+    }
+
+    /* y += a * x */
+    DG_CLONES static void dg_axpy(float *y, float a, const float *x, Py_ssize_t n) {
+        for (Py_ssize_t i = 0; i < n; i++) y[i] += a * x[i];
+    }
+
+    /* ---------------------------------------------------------------------------------- attention
+       One block of nq queries of one KV head (GQA: r query heads share it) against the keys of one
+       batch row: first n_cache slots of the cache (slot t holds position slot_pos[t], -1 = empty,
+       realness creal[position]), then n_new fresh keys (positions new_pos, realness nreal).
+       q: query i, head h at q + i*q_stride + h*d. out likewise at out + i*out_stride + h*d.
+       Key rows are read once per block and serve all nq*r (query, head) pairs. */
+    DG_CLONES static void dg_attend_block(
+            const float *q, Py_ssize_t q_stride, int r, Py_ssize_t d, int nq, const int64_t *qpos,
+            const float *ck, const float *cv, Py_ssize_t ck_stride, Py_ssize_t n_cache,
+            const int64_t *slot_pos, const uint8_t *creal,
+            const float *nk, const float *nv, Py_ssize_t nk_stride, Py_ssize_t n_new,
+            const int64_t *new_pos, const uint8_t *nreal,
+            int64_t window, int causal, float *scores, float *out, Py_ssize_t out_stride) {
+        Py_ssize_t T = n_cache + n_new;
+        int rows = nq * r;
+        for (Py_ssize_t t = 0; t < T; t++) {
+            int64_t pos; int real; const float *key;
+            if (t < n_cache) { pos = slot_pos[t]; real = pos >= 0 && creal[pos]; key = ck + t * ck_stride; }
+            else { pos = new_pos[t - n_cache]; real = nreal[t - n_cache]; key = nk + (t - n_cache) * nk_stride; }
+            for (int i = 0; i < nq; i++) {
+                int vis = real && (!causal || pos <= qpos[i]) && (window <= 0 || pos > qpos[i] - window);
+                for (int h = 0; h < r; h++)
+                    scores[(Py_ssize_t)(i * r + h) * T + t] = vis ? dg_dot(q + i * q_stride + h * d, key, d) : -INFINITY;
+            }
+        }
+        for (int row = 0; row < rows; row++) {
+            float *s = scores + (Py_ssize_t)row * T;
+            float m = dg_max_row(s, T);
+            if (m == -INFINITY) {                 /* no visible key: zero weights (reference: zero output) */
+                for (Py_ssize_t t = 0; t < T; t++) s[t] = 0.0f;
+                continue;
+            }
+            float total = (float)dg_exp_shift_row(s, m, T, s);
+            dg_div_row(s, total, T);
+        }
+        for (int i = 0; i < nq; i++)
+            for (int h = 0; h < r; h++) {
+                float *o = out + i * out_stride + h * d;
+                for (Py_ssize_t k = 0; k < d; k++) o[k] = 0.0f;
+            }
+        for (Py_ssize_t t = 0; t < T; t++) {
+            const float *val = t < n_cache ? cv + t * ck_stride : nv + (t - n_cache) * nk_stride;
+            for (int i = 0; i < nq; i++)
+                for (int h = 0; h < r; h++) {
+                    float p = scores[(Py_ssize_t)(i * r + h) * T + t];
+                    if (p != 0.0f) dg_axpy(out + i * out_stride + h * d, p, val, d);
+                }
+        }
+    }
+
+    /* ---------------------------------------------------------------------------------- sampling
+       Pass 1 over one row of logits z (V entries), processed logits zh = z / temp (temp > 0) or z:
+       maximum m, first argmax, S = sum exp(zh - m), A = sum exp(zh - m) * (zh - m) (both float64; the
+       running maximum is raised block by block and the sums rescaled), and flags: 1 NaN, 2 +inf.
+       Blocks are small enough to stay in L1, where zh is kept between the max and the exp loops. */
+    #define DG_BLOCK 2048
+    DG_CLONES static void dg_row_stats(const float *z, Py_ssize_t V, float temp, int scaled, float *buf,
+                                       float *m_out, int64_t *arg_out, double *S_out, double *A_out,
+                                       int *flags_out) {
+        float m = -INFINITY; int64_t arg = 0; double S = 0.0, A = 0.0; int flags = 0;
+        for (Py_ssize_t b0 = 0; b0 < V; b0 += DG_BLOCK) {
+            Py_ssize_t n = V - b0 < DG_BLOCK ? V - b0 : DG_BLOCK;
+            const float *zb = z + b0;
+            if (scaled) { for (Py_ssize_t i = 0; i < n; i++) buf[i] = zb[i] / temp; }
+            else        { for (Py_ssize_t i = 0; i < n; i++) buf[i] = zb[i]; }
+            int bad = 0;
+            for (Py_ssize_t i = 0; i < n; i++) bad |= (buf[i] != buf[i]) | (buf[i] == INFINITY) << 1;
+            flags |= bad;
+            if (bad) continue;
+            float bm = dg_max_row(buf, n);
+            if (bm == -INFINITY) continue;        /* all -inf: contributes nothing */
+            if (bm > m) {
+                Py_ssize_t first = 0;
+                while (buf[first] != bm) first++;
+                arg = b0 + first;
+                if (S > 0.0) {
+                    double shift = (double)m - (double)bm;          /* < 0 */
+                    double c = exp(shift);
+                    A = c * (A + S * shift);
+                    S = c * S;
+                }
+                m = bm;
+            }
+            double sacc[4] = {0, 0, 0, 0}, aacc[4] = {0, 0, 0, 0};
+            Py_ssize_t i = 0;
+            for (; i + 4 <= n; i += 4)
+                for (int l = 0; l < 4; l++) {
+                    float d = buf[i + l] - m;
+                    float e = dg_expf(d);
+                    sacc[l] += (double)e;
+                    aacc[l] += e > 0.0f ? (double)e * (double)d : 0.0;
+                }
+            for (; i < n; i++) {
+                float d = buf[i] - m;
+                float e = dg_expf(d);
+                sacc[0] += (double)e;
+                aacc[0] += e > 0.0f ? (double)e * (double)d : 0.0;
+            }
+            S += ((sacc[0] + sacc[2]) + (sacc[1] + sacc[3]));
+            A += ((aacc[0] + aacc[2]) + (aacc[1] + aacc[3]));
+        }
+        *m_out = m; *arg_out = arg; *S_out = S; *A_out = A; *flags_out = flags;
+    }
+
+    /* Pass 2: write p = exp(zh - m) / total into out (may alias z) and return the float64 sum of the
+       written float32 probabilities, accumulated block by block (lanes within a block). When
+       draw_target >= 0, also find the inverse-CDF index for that target (first v whose cumulative
+       probability exceeds it); *found = -1 if none. *below / *at receive the cumulative sums just
+       before and at the found index, so that the caller can confirm the choice against the final
+       total. */
+    DG_CLONES static double dg_row_probs(const float *z, Py_ssize_t V, float temp, int scaled, float m,
+                                         float total, double draw_target, float *out,
+                                         int64_t *found, double *below, double *at) {
+        double run = 0.0;
+        *found = -1;
+        for (Py_ssize_t b0 = 0; b0 < V; b0 += DG_BLOCK) {
+            Py_ssize_t n = V - b0 < DG_BLOCK ? V - b0 : DG_BLOCK;
+            const float *zb = z + b0;
+            float *ob = out + b0;
+            double acc[4] = {0, 0, 0, 0};
+            Py_ssize_t i = 0;
+            if (scaled) {
+                for (; i + 4 <= n; i += 4)
+                    for (int l = 0; l < 4; l++) { float p = dg_expf(zb[i + l] / temp - m) / total; ob[i + l] = p; acc[l] += (double)p; }
+                for (; i < n; i++) { float p = dg_expf(zb[i] / temp - m) / total; ob[i] = p; acc[0] += (double)p; }
+            } else {
+                for (; i + 4 <= n; i += 4)
+                    for (int l = 0; l < 4; l++) { float p = dg_expf(zb[i + l] - m) / total; ob[i + l] = p; acc[l] += (double)p; }
+                for (; i < n; i++) { float p = dg_expf(zb[i] - m) / total; ob[i] = p; acc[0] += (double)p; }
+            }
+            double bsum = ((acc[0] + acc[2]) + (acc[1] + acc[3]));
+            if (draw_target >= 0.0 && *found < 0 && run + bsum > draw_target) {
+                double c = run;
+                for (Py_ssize_t k = 0; k < n; k++) {
+                    double next = c + (double)ob[k];
+                    if (next > draw_target) { *found = b0 + k; *below = c; *at = next; break; }
+                    c = next;
+                }
+            }
+            run += bsum;
+        }
+        return run;
+    }
+
+    /* Inverse-CDF search over finished probabilities p (V entries): first v with cumsum > target, else
+       the last v with p > 0 (the reference's rule when rounding leaves the target at the total). */
+    static int64_t dg_cdf_search(const float *p, Py_ssize_t V, double target) {
+        double c = 0.0;
+        for (Py_ssize_t b0 = 0; b0 < V; b0 += DG_BLOCK) {
+            Py_ssize_t n = V - b0 < DG_BLOCK ? V - b0 : DG_BLOCK;
+            double acc[4] = {0, 0, 0, 0};
+            Py_ssize_t i = 0;
+            for (; i + 4 <= n; i += 4)
+                for (int l = 0; l < 4; l++) acc[l] += (double)p[b0 + i + l];
+            for (; i < n; i++) acc[0] += (double)p[b0 + i];
+            double bsum = ((acc[0] + acc[2]) + (acc[1] + acc[3]));
+            if (c + bsum > target) {
+                double cc = c;
+                for (Py_ssize_t k = 0; k < n; k++) {
+                    cc += (double)p[b0 + k];
+                    if (cc > target) return b0 + k;
+                }
+            }
+            c += bsum;
+        }
+        for (Py_ssize_t v = V - 1; v >= 0; v--) if (p[v] > 0.0f) return v;
+        return V - 1;
+    }
+    """
+    int dg_max_threads() nogil
+    float dg_expf(float x) nogil
+    float dg_tanhf(float x) nogil
+    float dg_gelu(float x) nogil
+    float dg_dot(const float *a, const float *b, Py_ssize_t n) nogil
+    float dg_rms_factor(const float *x, Py_ssize_t n, float eps) nogil
+    void dg_scale_row(const float *x, float factor, const float *w, Py_ssize_t n, float *out) nogil
+    void dg_residual_row(float *h, const float *y, float factor, const float *w, float scalar, Py_ssize_t n) nogil
+    void dg_add_normed_rows(float *a, float fa, const float *wa, const float *b, float fb, const float *wb,
+                            Py_ssize_t n) nogil
+    void dg_rope_row(float *x, const float *c, const float *s, Py_ssize_t half) nogil
+    void dg_gelu_gate_row(const float *g, const float *u, Py_ssize_t n, float *out) nogil
+    void dg_softcap_row(float *x, float cap, Py_ssize_t n) nogil
+    float dg_max_row(const float *x, Py_ssize_t n) nogil
+    double dg_exp_shift_row(const float *x, float shift, Py_ssize_t n, float *out) nogil
+    void dg_div_row(float *x, float d, Py_ssize_t n) nogil
+    void dg_axpy(float *y, float a, const float *x, Py_ssize_t n) nogil
+    void dg_attend_block(const float *q, Py_ssize_t q_stride, int r, Py_ssize_t d, int nq, const int64_t *qpos,
+                         const float *ck, const float *cv, Py_ssize_t ck_stride, Py_ssize_t n_cache,
+                         const int64_t *slot_pos, const uint8_t *creal,
+                         const float *nk, const float *nv, Py_ssize_t nk_stride, Py_ssize_t n_new,
+                         const int64_t *new_pos, const uint8_t *nreal,
+                         int64_t window, int causal, float *scores, float *out, Py_ssize_t out_stride) nogil
+    int DG_BLOCK
+    void dg_row_stats(const float *z, Py_ssize_t V, float temp, int scaled, float *buf, float *m_out,
+                      int64_t *arg_out, double *S_out, double *A_out, int *flags_out) nogil
+    double dg_row_probs(const float *z, Py_ssize_t V, float temp, int scaled, float m, float total,
+                        double draw_target, float *out, int64_t *found, double *below, double *at) nogil
+    int64_t dg_cdf_search(const float *p, Py_ssize_t V, double target) nogil
+
+#: Queries processed together by one attention work item (each key row is read once per block).
+ATTENTION_QUERY_BLOCK = 8
+#: Entries of the per-thread row buffer the sampling pass needs (one L1-sized block of logits).
+SAMPLING_BLOCK = DG_BLOCK
+
+
+def max_threads() -> int:
+    """Threads an OpenMP parallel loop would use now (1 when compiled without OpenMP)."""
+    return dg_max_threads()
+
+
+cdef inline int _threads(Py_ssize_t work) noexcept nogil:
+    cdef int n = dg_max_threads()
+    if work < n:
+        n = <int>work
+    return n if n > 0 else 1
+
+
+cdef inline const float *_opt(const float[::1] w) noexcept nogil:
+    return &w[0] if w is not None else NULL
+
+
+# ============================================================================================ elementwise
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def vector_exp(const float[::1] x, float[::1] out):
+    """``out = exp(x)`` with the kernels' single-precision exp (exposed for testing)."""
+    cdef Py_ssize_t i
+    for i in range(x.shape[0]):
+        out[i] = dg_expf(x[i])
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def vector_tanh(const float[::1] x, float[::1] out):
+    """``out = tanh(x)`` with the kernels' single-precision tanh (exposed for testing)."""
+    cdef Py_ssize_t i
+    for i in range(x.shape[0]):
+        out[i] = dg_tanhf(x[i])
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def rms_norm(const float[:, ::1] x, const float[::1] weight, float eps, float[:, ::1] out):
+    """RMSNorm of each row: ``out = x * (mean(x**2) + eps) ** -0.5 [* weight]``. out may be x.
+
+    x, out: (N, D) float32; weight: (D,) float32 or None (weightless norm).
+    Replaces ``reference.primitives.rms_norm`` (mean of squares accumulated in float64).
+    """
+    cdef Py_ssize_t N = x.shape[0], D = x.shape[1], i
+    cdef const float *w = _opt(weight)
+    cdef float f
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+        f = dg_rms_factor(&x[i, 0], D, eps)
+        dg_scale_row(&x[i, 0], f, w, D, &out[i, 0])
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def residual_norm_add(float[:, ::1] h, const float[:, ::1] y, const float[::1] weight, float eps, float scalar):
+    """Fused residual update ``h = (h + rms_norm(y, weight)) * scalar``, in place.
+
+    h, y: (N, H) float32; weight: (H,). ``scalar`` = 1 after attention (SPEC §4.1 step 8); the layer
+    scalar is folded into the feed-forward residual instead (``feed_forward_residual``).
+    """
+    cdef Py_ssize_t N = h.shape[0], D = h.shape[1], i
+    cdef float f
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+        f = dg_rms_factor(&y[i, 0], D, eps)
+        dg_residual_row(&h[i, 0], &y[i, 0], f, &weight[0], scalar, D)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def feed_forward_residual(float[:, ::1] h, float[:, ::1] dense, const float[:, ::1] moe,
+                          const float[::1] w_dense, const float[::1] w_moe, const float[::1] w_out,
+                          float eps, float scalar):
+    """End of a block: ``h = (h + norm_out(norm_dense(dense) + norm_moe(moe))) * scalar`` in place.
+
+    h, dense, moe: (N, H) float32 (``dense`` is overwritten with the sum of the two normed branches).
+    Replaces the tail of ``reference.layers.feed_forward`` plus the residual add and the layer scalar of
+    ``Model._block_tail`` (SPEC §4.2 steps 9-13).
+    """
+    cdef Py_ssize_t N = h.shape[0], D = h.shape[1], i
+    cdef float fa, fb, f
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+        fa = dg_rms_factor(&dense[i, 0], D, eps)
+        fb = dg_rms_factor(&moe[i, 0], D, eps)
+        dg_add_normed_rows(&dense[i, 0], fa, &w_dense[0], &moe[i, 0], fb, &w_moe[0], D)
+        f = dg_rms_factor(&dense[i, 0], D, eps)
+        dg_residual_row(&h[i, 0], &dense[i, 0], f, &w_out[0], scalar, D)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def gelu_gate(const float[:, ::1] gate_up, float[:, ::1] out):
+    """``out = gelu_tanh(gate) * up`` where ``gate_up = [gate | up]`` along the last axis.
+
+    gate_up: (N, 2I) float32, out: (N, I). Replaces ``gelu_tanh(x @ G.T) * (x @ U.T)`` of
+    ``reference.primitives.gated_mlp`` and the expert activation of ``reference.layers.experts``.
+    """
+    cdef Py_ssize_t N = out.shape[0], I = out.shape[1], i
+    if gate_up.shape[1] != 2 * I or gate_up.shape[0] != N:
+        raise ValueError(f"gate_up has shape {tuple(gate_up.shape)[:2]}, expected ({N}, {2 * I})")
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+        dg_gelu_gate_row(&gate_up[i, 0], &gate_up[i, I], I, &out[i, 0])
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def softcap(float[:, ::1] x, float cap):
+    """Final logit soft-cap in place: ``x = cap * tanh(x / cap)``. x: (N, V) float32.
+
+    Replaces ``reference.primitives.softcap``.
+    """
+    cdef Py_ssize_t N = x.shape[0], V = x.shape[1], i
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+        dg_softcap_row(&x[i, 0], cap, V)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def softmax(const float[:, ::1] x, float[:, ::1] out):
+    """Row softmax in float32: ``out = exp(x - max) / sum`` (sum accumulated in float64). out may be x.
+
+    x, out: (N, V). Rows must hold no NaN/+inf (callers check). Replaces the softmax inside
+    ``reference.model.Model.self_conditioning_embedding``.
+    """
+    cdef Py_ssize_t N = x.shape[0], V = x.shape[1], i
+    cdef float m, total
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+        m = dg_max_row(&x[i, 0], V)
+        total = <float>dg_exp_shift_row(&x[i, 0], m, V, &out[i, 0])
+        dg_div_row(&out[i, 0], total, V)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def embed(const int64_t[::1] ids, const float[:, ::1] table, float scale, const float[:, ::1] add,
+          bint normalize, float eps, float[:, ::1] out):
+    """Scaled embedding lookup, optionally plus a signal and a weightless RMSNorm.
+
+    ids: (N,) int64 in [0, V) (checked by the caller); table: (V, H); add: (N, H) or None.
+    ``out = table[ids] * scale``, then ``out += add`` if given, then ``out = rms_norm(out)`` if
+    ``normalize``. Replaces ``reference.primitives.embed`` (encoder input) and the canvas input
+    ``rms_norm(embed(x) + signal)`` of ``Model.canvas_input`` (SPEC §7.1 step 4).
+    """
+    cdef Py_ssize_t N = ids.shape[0], H = table.shape[1], i, k
+    cdef float f
+    cdef bint has_add = add is not None
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+        for k in range(H):
+            out[i, k] = table[ids[i], k] * scale
+        if has_add:
+            for k in range(H):
+                out[i, k] = out[i, k] + add[i, k]
+        if normalize:
+            f = dg_rms_factor(&out[i, 0], H, eps)
+            dg_scale_row(&out[i, 0], f, NULL, H, &out[i, 0])
+
+
+# ============================================================================================ attention
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def heads(const float[:, :, ::1] proj, Py_ssize_t n_heads, Py_ssize_t n_kv, Py_ssize_t d, bint has_v,
+          const float[::1] q_norm, const float[::1] k_norm, float eps,
+          const float[:, ::1] cos, const float[:, ::1] sin,
+          float[:, :, :, ::1] q_out, float[:, :, :, :] k_out, float[:, :, :, :] v_out):
+    """Split a fused q/k/v projection into normalised, rotated heads.
+
+    proj: (N, S, n_h*d + g*d [+ g*d]) float32: ``x @ [Wq; Wk; Wv].T`` (the Wv block only when has_v).
+    cos, sin: (S, d/2) float32 RoPE tables of the S positions (the reference's angle table, one half).
+    Writes q_out (N, S, n_h, d) = RoPE(q_norm(q)); k_out (N, g, S, d) = RoPE(k_norm(k_raw));
+    v_out (N, g, S, d) = weightless norm of v_raw, or of the *raw* keys k_raw when there is no v
+    projection (full-attention layers; trap T3). k_out / v_out may be strided views (e.g. cache slots)
+    with a contiguous last axis.
+    Replaces ``reference.layers.project_qkv`` after its matrix products.
+    """
+    cdef Py_ssize_t N = proj.shape[0], S = proj.shape[1], half = d // 2
+    cdef Py_ssize_t qw = n_heads * d, kw = n_kv * d
+    cdef Py_ssize_t need = qw + kw + (kw if has_v else 0)
+    if proj.shape[2] != need:
+        raise ValueError(f"projection width {proj.shape[2]} != {need}")
+    if k_out.strides[3] != sizeof(float) or v_out.strides[3] != sizeof(float):
+        raise ValueError("k_out / v_out need a contiguous last axis")
+    if cos.shape[0] != S or cos.shape[1] != half:
+        raise ValueError(f"RoPE table has shape {tuple(cos.shape)[:2]}, expected ({S}, {half})")
+    cdef Py_ssize_t item, n, s, h
+    cdef float f
+    cdef const float *src
+    cdef float *dst
+    for item in prange(N * S, nogil=True, schedule="static", num_threads=_threads(N * S)):
+        n = item // S
+        s = item % S
+        for h in range(n_heads):
+            src = &proj[n, s, h * d]
+            dst = &q_out[n, s, h, 0]
+            f = dg_rms_factor(src, d, eps)
+            dg_scale_row(src, f, &q_norm[0], d, dst)
+            dg_rope_row(dst, &cos[s, 0], &sin[s, 0], half)
+        for h in range(n_kv):
+            # values first: on full layers they are the raw keys, before k_norm and RoPE
+            src = &proj[n, s, qw + kw + h * d] if has_v else &proj[n, s, qw + h * d]
+            f = dg_rms_factor(src, d, eps)
+            dg_scale_row(src, f, NULL, d, &v_out[n, h, s, 0])
+            src = &proj[n, s, qw + h * d]
+            dst = &k_out[n, h, s, 0]
+            f = dg_rms_factor(src, d, eps)
+            dg_scale_row(src, f, &k_norm[0], d, dst)
+            dg_rope_row(dst, &cos[s, 0], &sin[s, 0], half)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def attention(const float[:, :, :, ::1] q, const int64_t[::1] q_pos,
+              const float[:, :, :, ::1] cache_k, const float[:, :, :, ::1] cache_v, const int64_t[::1] cache_rows,
+              Py_ssize_t n_cache, const int64_t[::1] slot_pos, const uint8_t[:, ::1] cache_real,
+              const float[:, :, :, ::1] new_k, const float[:, :, :, ::1] new_v,
+              const int64_t[::1] new_pos, const uint8_t[:, ::1] new_real,
+              Py_ssize_t window, bint causal, float[:, ::1] scratch, float[:, :, ::1] out):
+    """Grouped-query attention (scale 1, float32 softmax) of queries over cached and fresh keys.
+
+    q: (N, S, n_h, d) queries at positions q_pos (S,).
+    cache_k, cache_v: (B_c, g, slots, d) cache storage; query row n reads cache row cache_rows[n], slots
+        [0, n_cache); slot t holds position slot_pos[t] (-1: empty); cache_real (B_c, P) says whether a
+        position was a real token.
+    new_k, new_v: (N, g, S_new, d) fresh keys/values at positions new_pos (S_new,), realness new_real
+        (N, S_new) (S_new may be 0).
+    Key t is visible from query position p iff it is real, ``(not causal or pos <= p)`` and
+    ``(window <= 0 or pos > p - window)``. KV head j serves query heads j*r .. j*r + r - 1 (r = n_h / g);
+    keys are never repeated in memory.
+    scratch: (threads, ATTENTION_QUERY_BLOCK * r * (n_cache + S_new)) float32 work space; its rows bound
+        the number of threads used. out: (N, S, n_h * d). A query with no visible key gets zeros.
+    Replaces ``reference.layers.attend`` together with the visibility of ``reference.masks``.
+    """
+    cdef Py_ssize_t N = q.shape[0], S = q.shape[1], n_h = q.shape[2], d = q.shape[3]
+    cdef Py_ssize_t g = new_k.shape[1] if new_k.shape[2] > 0 else cache_k.shape[1]
+    cdef Py_ssize_t n_new = new_k.shape[2]
+    cdef Py_ssize_t T = n_cache + n_new
+    cdef int r = <int>(n_h // g)
+    cdef int QB = ATTENTION_QUERY_BLOCK
+    cdef Py_ssize_t blocks = (S + QB - 1) // QB
+    if out.shape[0] != N or out.shape[1] != S or out.shape[2] != n_h * d:
+        raise ValueError("attention output has the wrong shape")
+    if scratch.shape[1] < QB * r * T or scratch.shape[0] < 1:
+        raise ValueError(f"attention scratch too small: {tuple(scratch.shape)[:2]}, need (>=1, {QB * r * T})")
+    if n_cache > 0 and (cache_k.shape[2] < n_cache or slot_pos.shape[0] < n_cache):
+        raise ValueError("n_cache exceeds the cache storage")
+    cdef int nt = _threads(N * g * blocks)
+    if nt > scratch.shape[0]:
+        nt = <int>scratch.shape[0]
+    cdef Py_ssize_t item, n, j, blk, i0, nq, row, tid
+    cdef const float *ck
+    cdef const float *cv
+    cdef const float *nk
+    cdef const float *nv
+    cdef const uint8_t *creal
+    cdef const uint8_t *nreal
+    cdef Py_ssize_t ck_stride = cache_k.strides[2] // 4, nk_stride = new_k.strides[2] // 4
+    for item in prange(N * g * blocks, nogil=True, schedule="dynamic", num_threads=nt):
+        tid = threadid()
+        n = item // (g * blocks)
+        j = (item // blocks) % g
+        blk = item % blocks
+        i0 = blk * QB
+        nq = S - i0 if S - i0 < QB else QB
+        ck = NULL
+        cv = NULL
+        creal = NULL
+        if n_cache > 0:
+            row = cache_rows[n]
+            ck = &cache_k[row, j, 0, 0]
+            cv = &cache_v[row, j, 0, 0]
+            creal = &cache_real[row, 0]
+        nk = NULL
+        nv = NULL
+        nreal = NULL
+        if n_new > 0:
+            nk = &new_k[n, j, 0, 0]
+            nv = &new_v[n, j, 0, 0]
+            nreal = &new_real[n, 0]
+        dg_attend_block(&q[n, i0, j * r, 0], n_h * d, r, d, <int>nq, &q_pos[i0],
+                        ck, cv, ck_stride, n_cache, &slot_pos[0] if n_cache > 0 else NULL, creal,
+                        nk, nv, nk_stride, n_new, &new_pos[0] if n_new > 0 else NULL, nreal,
+                        window, causal, &scratch[tid, 0], &out[n, i0, j * r * d], n_h * d)
+
+
+# ============================================================================================ experts
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def route(float[:, ::1] logits, const float[::1] per_expert_scale, int64_t[:, ::1] indices, float[:, ::1] weights):
+    """Top-K routing from router logits; ``logits`` is overwritten with the router probabilities.
+
+    logits: (N, E) float32 = ``z @ W_router.T``. p = float32 softmax over all E experts (written back
+    into ``logits``). Writes indices (N, K) int64 (largest probability first, ties to the lower expert
+    index, as a stable descending sort) and weights (N, K) float32 = ``p_top / sum(p_top) *
+    per_expert_scale[index]`` (the sum of the K values accumulated left to right in float32).
+    SPEC §4.2 step 10, trap T7. Replaces the part of ``reference.layers.route`` after its matrix product.
+    """
+    cdef Py_ssize_t N = logits.shape[0], E = logits.shape[1], K = indices.shape[1], i, k, e, best
+    cdef float m, total, bp, psum
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+        m = dg_max_row(&logits[i, 0], E)
+        total = <float>dg_exp_shift_row(&logits[i, 0], m, E, &logits[i, 0])
+        dg_div_row(&logits[i, 0], total, E)
+        for k in range(K):
+            best = -1
+            bp = -1.0
+            for e in range(E):
+                if logits[i, e] > bp and not _taken(&indices[i, 0], k, e):
+                    best = e
+                    bp = logits[i, e]
+            indices[i, k] = best
+            weights[i, k] = bp
+        psum = 0.0
+        for k in range(K):
+            psum = psum + weights[i, k]
+        for k in range(K):
+            weights[i, k] = weights[i, k] / psum * per_expert_scale[indices[i, k]]
+
+
+cdef inline bint _taken(const int64_t *chosen, Py_ssize_t k, Py_ssize_t e) noexcept nogil:
+    cdef Py_ssize_t t
+    for t in range(k):
+        if chosen[t] == e:
+            return True
+    return False
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def group_by_expert(const int64_t[:, ::1] indices, int64_t[::1] offsets, int64_t[::1] order,
+                    int64_t[:, ::1] position):
+    """Counting sort of the (token, slot) choices by expert.
+
+    indices: (N, K) expert of each token's k-th choice. Writes offsets (E + 1,) (expert e owns rows
+    [offsets[e], offsets[e+1]) of the grouped buffers), order (N*K,) the token of each grouped row
+    (ascending within an expert) and position (N, K) the grouped row of each choice.
+    """
+    cdef Py_ssize_t N = indices.shape[0], K = indices.shape[1], E = offsets.shape[0] - 1, i, k, e
+    offsets[:] = 0
+    for i in range(N):
+        for k in range(K):
+            offsets[indices[i, k] + 1] += 1
+    for e in range(E):
+        offsets[e + 1] += offsets[e]
+    cdef int64_t[::1] fill = np.array(offsets[:E], dtype=np.int64)
+    for i in range(N):
+        for k in range(K):
+            e = indices[i, k]
+            order[fill[e]] = i
+            position[i, k] = fill[e]
+            fill[e] += 1
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def gather_rows(const float[:, ::1] src, const int64_t[::1] rows, float[:, ::1] out):
+    """``out[i] = src[rows[i]]``: (N, H), (M,) -> (M, H)."""
+    cdef Py_ssize_t M = rows.shape[0], H = src.shape[1], i, k
+    for i in prange(M, nogil=True, schedule="static", num_threads=_threads(M)):
+        for k in range(H):
+            out[i, k] = src[rows[i], k]
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def combine_experts(const float[:, ::1] expert_out, const int64_t[:, ::1] indices,
+                    const int64_t[:, ::1] position, const float[:, ::1] weights, float[:, ::1] out):
+    """Weighted sum of each token's expert outputs, in ascending expert order.
+
+    expert_out: (M, H) grouped expert outputs; indices, position, weights: (N, K); out: (N, H).
+    ``out[i] = sum over the token's experts e (ascending) of expert_out[row] * weight``, each product
+    rounded to float32 before it is added, as ``numpy.add.at`` does in ``reference.layers.experts``.
+    """
+    cdef Py_ssize_t N = out.shape[0], H = out.shape[1], K = indices.shape[1], i, k, t, j, c
+    cdef int64_t prev, e_t, e_j
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+        for c in range(H):
+            out[i, c] = 0.0
+        prev = -1
+        for t in range(K):          # the token's experts, smallest index first (they are distinct)
+            e_t = -1
+            k = 0
+            for j in range(K):
+                e_j = indices[i, j]
+                if e_j > prev and (e_t < 0 or e_j < e_t):
+                    e_t = e_j
+                    k = j
+            prev = e_t
+            dg_axpy(&out[i, 0], weights[i, k], &expert_out[position[i, k], 0], H)
+
+
+# ============================================================================================ sampling
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def sample_rows(float[:, ::1] logits, const int64_t[::1] rows, float temperature, const double[::1] uniforms,
+                float[:, ::1] scratch, int64_t[::1] argmax, float[::1] entropy, int64_t[::1] sampled,
+                int[::1] flags):
+    """The fused per-step sampling pass over rows of soft-capped logits, probabilities written in place.
+
+    logits: (R_all, V) float32; only rows ``rows`` (R,) are touched. temperature: T > 0, or 0 for none.
+    For each processed row, with ẑ = logits / T (a float32 division, as ``sampling.scale_logits``):
+      argmax[i]  first index of the maximum of ẑ (``sampling.argmax_tokens``),
+      entropy[i] float32 entropy of softmax(ẑ) in nats (``sampling.softmax_and_entropy``), computed as
+                 log S - A / S with S = sum e^(ẑ-m), A = sum e^(ẑ-m) (ẑ-m) accumulated in float64,
+      the row itself becomes p = float32(exp(ẑ - m)) / float32(S) (the probabilities, for sampling and
+                 for the next step's self-conditioning input),
+      sampled[i] (only if uniforms is not None) the inverse-CDF draw for uniforms[i] in [0, 1):
+                 the first id whose cumulative probability (float64) exceeds u * total, total = sum of p,
+                 else the last id of nonzero probability (``sampling.categorical_from_uniform``; cumulative
+                 sums run block by block, differing from a strictly sequential float64 sum by < 1e-13
+                 relative),
+      flags[i]   1 if ẑ holds NaN, 2 if it holds +inf, 4 if every entry is -inf; such a row is left
+                 unchanged and its other outputs are meaningless (the caller raises).
+    Each row is read twice (statistics, then probabilities and the draw) whatever V is.
+    scratch: (threads, SAMPLING_BLOCK) float32.
+    """
+    cdef Py_ssize_t R = rows.shape[0], V = logits.shape[1], i, row, tid
+    cdef bint scaled = temperature > 0
+    cdef bint draw = uniforms is not None
+    if draw and uniforms.shape[0] != R:
+        raise ValueError(f"{uniforms.shape[0]} uniforms for {R} rows")
+    if scratch.shape[1] < SAMPLING_BLOCK:
+        raise ValueError("sampling scratch too small")
+    cdef int nt = _threads(R)
+    if nt > scratch.shape[0]:
+        nt = <int>scratch.shape[0]
+    cdef float m, total
+    cdef int64_t arg, found
+    cdef double S, A, psum, below, at, target
+    cdef int fl
+    for i in prange(R, nogil=True, schedule="dynamic", num_threads=nt):
+        tid = threadid()
+        row = rows[i]
+        dg_row_stats(&logits[row, 0], V, temperature, scaled, &scratch[tid, 0], &m, &arg, &S, &A, &fl)
+        if fl == 0 and m == -INFINITY:
+            fl = 4
+        flags[i] = fl
+        if fl != 0:
+            continue
+        argmax[i] = arg
+        entropy[i] = <float>(log(S) - A / S)
+        total = <float>S
+        target = -1.0
+        if draw:
+            target = uniforms[i] * (S / <double>total)   # estimate of u * sum(p); confirmed below
+        psum = dg_row_probs(&logits[row, 0], V, temperature, scaled, m, total, target, &logits[row, 0],
+                            &found, &below, &at)
+        if draw:
+            target = uniforms[i] * psum
+            if found < 0 or not (below <= target and target < at):
+                found = dg_cdf_search(&logits[row, 0], V, target)
+            sampled[i] = found
+

@@ -1,0 +1,448 @@
+"""The fast CPU DiffusionGemma model: the reference's math on compiled kernels and preallocated buffers.
+
+Same public interface and semantics as ``reference.model.Model`` (``from_pretrained``, ``new_cache``,
+``encode``, ``denoise``; same shapes, same errors), computing the same float32 function up to
+summation order (see ``fast/_kernels.pyx`` for where the numbers can differ, and
+``tests/test_fast_equivalence.py`` for the measured agreement). What changes is how it is computed:
+
+* weights are repacked once: q/k/v projections concatenated into one matrix per layer, gate and up
+  projections of the dense MLP and of the self-conditioning MLP likewise, so each is one BLAS call;
+* matrix products run on NumPy's BLAS with ``out=`` into a ``Workspace`` of reused buffers; everything
+  between them (norms, RoPE, GELU, attention, routing, soft-cap) is a fused kernel of ``_kernels``;
+* the KV cache (``fast.cache.KVCache``) is preallocated; sliding layers are rings of ``W - 1`` slots;
+* experts run once per expert on the gathered block of tokens routed to it (tokens sorted by expert);
+* ``denoise`` can write into a caller's ``out`` array and computes the self-conditioning softmax in that
+  same array before the logits overwrite it, so a denoising step allocates nothing proportional to the
+  vocabulary or to the cache once the workspace has warmed up.
+
+Array-module note: the orchestration below touches arrays only through ``self.xp`` (NumPy here) for
+matrix products and through ``self.ops`` (the compiled kernels) for everything else, so that a GPU
+backend can supply the same two objects.
+
+Not thread-safe: a model owns one workspace; use one model per thread.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from diffusiongemma.reference.config import ModelConfig
+from diffusiongemma.reference.errors import ConfigError, InputError
+from diffusiongemma.reference.primitives import rope_inverse_frequencies
+from diffusiongemma.reference.weights import check_tensors
+
+from . import _kernels
+from .cache import KVCache
+
+DEVICES = ("cpu",)  # devices this module can run on ("cuda" lives elsewhere)
+
+
+def check_device(device: str) -> str:
+    """Return ``device`` if this model supports it; raise ``ConfigError`` naming it otherwise."""
+    if device not in DEVICES:
+        raise ConfigError(f"device {device!r} is not supported by diffusiongemma.fast.Model "
+                          f"(supported: {', '.join(DEVICES)})")
+    return device
+
+
+class Workspace:
+    """Named scratch buffers reused across calls; a buffer grows only when a larger view is requested.
+
+    ``get(name, shape, dtype)`` returns a C-contiguous view of the first prod(shape) elements of the
+    buffer called ``name``; its contents are whatever the last user left there.
+    """
+
+    def __init__(self, xp=np):
+        self.xp = xp
+        self._buffers: dict[tuple[str, str], np.ndarray] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        size = int(np.prod(shape, dtype=np.int64))
+        key = (name, np.dtype(dtype).str)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.size < size:
+            buffer = self.xp.empty(max(size, 1), dtype=dtype)
+            self._buffers[key] = buffer
+        return buffer[:size].reshape(shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all buffers."""
+        return sum(b.nbytes for b in self._buffers.values())
+
+
+@dataclass
+class LayerWeights:
+    """One transformer block's tensors, repacked for the fast path (float32, C-contiguous)."""
+
+    sliding: bool  # sliding-window layer (else full attention, no v_proj)
+    head_dim: int  # d of this layer
+    num_kv_heads: int  # g of this layer
+    qkv: np.ndarray  # (n_h*d + g*d [+ g*d], H): [q_proj; k_proj; v_proj (sliding only)]
+    o_proj: np.ndarray  # (H, n_h*d)
+    q_norm: np.ndarray  # (d,)
+    k_norm: np.ndarray  # (d,)
+    input_norm: np.ndarray  # (H,) input_layernorm
+    post_attention_norm: np.ndarray  # (H,)
+    pre_ffn_norm: np.ndarray  # (H,) dense branch input norm
+    mlp_gate_up: np.ndarray  # (2*I_d, H): [gate_proj; up_proj]
+    mlp_down: np.ndarray  # (H, I_d)
+    post_ffn_norm_1: np.ndarray  # (H,) dense branch output norm
+    router: np.ndarray  # (E, H)
+    router_scale: np.ndarray  # (H,)
+    per_expert_scale: np.ndarray  # (E,)
+    pre_ffn_norm_2: np.ndarray  # (H,) expert input norm
+    expert_gate_up: np.ndarray  # (E, 2*I_e, H), gate rows first
+    expert_down: np.ndarray  # (E, H, I_e)
+    post_ffn_norm_2: np.ndarray  # (H,) expert output norm
+    post_ffn_norm: np.ndarray  # (H,)
+    encoder_scalar: np.float32  # layer scalar of the encoder stack
+    decoder_scalar: np.float32  # layer scalar of the decoder stack
+
+
+def _f32(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+class Model:
+    """DiffusionGemma text model on the fast CPU kernels.
+
+    Build it with ``Model.from_pretrained(path, device="cpu")`` or ``Model(config, tensors)`` where
+    ``tensors`` maps the project's tensor names (``reference.weights``) to arrays (widened to float32).
+    Raises ``CheckpointError`` for missing/unknown/misshapen tensors and ``ConfigError`` for an
+    unsupported device.
+    """
+
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], device: str = "cpu"):
+        self.device = check_device(device)
+        check_tensors(tensors, config)
+        self.config = config
+        self.xp = np
+        self.ops = _kernels
+        t = tensors
+        self.embed_tokens = _f32(t["embed_tokens"])  # (V, H), also the tied output projection
+        self.final_norm = _f32(t["final_norm"])
+        self.sc_pre_norm = _f32(t["self_conditioning.pre_norm"])
+        self.sc_gate_up = _f32(np.concatenate([t["self_conditioning.gate_proj"], t["self_conditioning.up_proj"]]))
+        self.sc_down = _f32(t["self_conditioning.down_proj"])
+        self.layers = [self._repack(l, t) for l in range(config.num_hidden_layers)]
+        self._omega = {kind: rope_inverse_frequencies(config.rope_parameters[kind], d)
+                       for kind, d in zip(config.layer_types, config.layer_head_dim)}
+        self._eps = np.float32(config.rms_norm_eps)
+        self._embed_scale = np.float32(config.embed_scale)
+        self._router_factor = np.float32(config.hidden_size ** -0.5)
+        self._cap = np.float32(config.final_logit_softcapping)
+        self._rope_tables: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.workspace = Workspace(self.xp)
+
+    def _repack(self, l: int, t: Mapping[str, np.ndarray]) -> LayerWeights:
+        p = f"layers.{l}."
+        sliding = self.config.is_sliding(l)
+        projections = [t[p + "q_proj"], t[p + "k_proj"]] + ([t[p + "v_proj"]] if sliding else [])
+        return LayerWeights(
+            sliding=sliding, head_dim=self.config.layer_head_dim[l],
+            num_kv_heads=self.config.layer_num_key_value_heads[l],
+            qkv=_f32(np.concatenate(projections)), o_proj=_f32(t[p + "o_proj"]),
+            q_norm=_f32(t[p + "q_norm"]), k_norm=_f32(t[p + "k_norm"]),
+            input_norm=_f32(t[p + "input_layernorm"]), post_attention_norm=_f32(t[p + "post_attention_layernorm"]),
+            pre_ffn_norm=_f32(t[p + "pre_feedforward_layernorm"]),
+            mlp_gate_up=_f32(np.concatenate([t[p + "mlp.gate_proj"], t[p + "mlp.up_proj"]])),
+            mlp_down=_f32(t[p + "mlp.down_proj"]), post_ffn_norm_1=_f32(t[p + "post_feedforward_layernorm_1"]),
+            router=_f32(t[p + "router.proj"]), router_scale=_f32(t[p + "router.scale"]),
+            per_expert_scale=_f32(t[p + "router.per_expert_scale"]),
+            pre_ffn_norm_2=_f32(t[p + "pre_feedforward_layernorm_2"]),
+            expert_gate_up=_f32(t[p + "experts.gate_up_proj"]), expert_down=_f32(t[p + "experts.down_proj"]),
+            post_ffn_norm_2=_f32(t[p + "post_feedforward_layernorm_2"]),
+            post_ffn_norm=_f32(t[p + "post_feedforward_layernorm"]),
+            encoder_scalar=np.float32(np.asarray(t[p + "encoder_layer_scalar"]).reshape(-1)[0]),
+            decoder_scalar=np.float32(np.asarray(t[p + "decoder_layer_scalar"]).reshape(-1)[0]),
+        )
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, device: str = "cpu") -> "Model":
+        """Load a converted checkpoint directory or a transformers checkpoint directory.
+
+        Reading is the reference's (``reference.model.Model.from_pretrained``: same formats, same
+        ``CheckpointError`` / ``ConfigError``); ``device`` must be "cpu" (``ConfigError`` otherwise,
+        raised before anything is read). A ``generation_config`` the reference attaches is kept.
+        """
+        check_device(device)
+        from diffusiongemma.reference.model import Model as ReferenceModel
+
+        reference = ReferenceModel.from_pretrained(path)
+        model = cls(reference.config, reference.tensors, device=device)
+        generation_config = getattr(reference, "generation_config", None)
+        if generation_config is not None:
+            model.generation_config = generation_config
+        return model
+
+    def new_cache(self, batch_size: int, capacity: int = 0) -> KVCache:
+        """An empty fast KV cache for ``batch_size`` rows; ``capacity`` pre-sizes it (positions).
+
+        Raises ``InputError`` unless batch_size is a positive integer.
+        """
+        return KVCache(self.config, batch_size, capacity)
+
+    # ------------------------------------------------------------------ input checks (reference wording)
+    def _check_ids(self, name: str, ids: np.ndarray, cache: KVCache) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"{name} must be a 2-D integer array (batch, tokens), got shape {ids.shape} "
+                             f"dtype {ids.dtype}")
+        if not isinstance(cache, KVCache):
+            raise InputError(f"cache must be a KVCache from Model.new_cache, got {type(cache).__name__}")
+        if ids.shape[0] != cache.batch_size:
+            raise InputError(f"{name} has batch size {ids.shape[0]} but the cache was made for "
+                             f"batch size {cache.batch_size}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            bad = ids[(ids < 0) | (ids >= self.config.vocab_size)].ravel()[0]
+            raise InputError(f"{name} holds token id {int(bad)} outside [0, vocab_size={self.config.vocab_size})")
+        return np.ascontiguousarray(ids, dtype=np.int64)
+
+    # ------------------------------------------------------------------ encoder
+    def encode(self, input_ids: np.ndarray, cache: KVCache, attention_mask: np.ndarray | None = None) -> np.ndarray:
+        """Run the causal encoder over new tokens and append their keys/values to ``cache``.
+
+        input_ids: (B, n) int token ids in [0, V) at positions ``cache.length .. cache.length + n - 1``.
+        attention_mask: (B, n) of 0/1 (1 = real token), default all ones; padding keys are hidden.
+        Returns the final-norm hidden states (B, n, H) float32 (padded positions: unspecified values).
+        Raises ``InputError`` for ids out of range, wrong shapes or a cache of another batch size (the
+        cache is unchanged then). Same contract as ``reference.model.Model.encode`` (SPEC §6). An
+        interruption in the middle of the pass (KeyboardInterrupt, MemoryError) can leave the sliding
+        rings partly updated; start a new cache after one.
+        """
+        ids = self._check_ids("input_ids", input_ids, cache)
+        B, n = ids.shape
+        if n == 0:
+            raise InputError("input_ids has no tokens (shape (B, 0))")
+        if attention_mask is None:
+            mask = np.ones((B, n), dtype=np.uint8)
+        else:
+            mask = np.asarray(attention_mask)
+            if mask.shape != (B, n):
+                raise InputError(f"attention_mask has shape {mask.shape}, expected {(B, n)} like input_ids")
+            if not np.isin(mask, (0, 1)).all():
+                raise InputError("attention_mask must hold only 0 and 1")
+            mask = np.ascontiguousarray(mask, dtype=np.uint8)
+        config, ops, ws = self.config, self.ops, self.workspace
+        L = cache.length
+        positions = L + np.arange(n, dtype=np.int64)  # (n,)
+        rows = np.arange(B, dtype=np.int64)
+        cache.begin_append(mask)
+        h = ws.get("h", (B * n, config.hidden_size))
+        ops.embed(ids.reshape(-1), self.embed_tokens, self._embed_scale, None, False, self._eps, h)  # no input norm
+        for l, w in enumerate(self.layers):
+            self._block(l, w, h, B, n, positions, cache, rows, mask, decoder=False)
+        cache.end_append(n)
+        out = np.empty((B, n, config.hidden_size), dtype=np.float32)
+        ops.rms_norm(h, self.final_norm, self._eps, out.reshape(B * n, -1))
+        return out
+
+    # ------------------------------------------------------------------ decoder
+    def denoise(self, canvas: np.ndarray, cache: KVCache, self_conditioning_logits: np.ndarray | None = None,
+                self_conditioning_mask: np.ndarray | None = None, *, out: np.ndarray | None = None) -> np.ndarray:
+        """One decoder pass: soft-capped logits for every canvas position. Never writes the cache.
+
+        canvas: (B, C) int ids in [0, V), C = ``config.canvas_length``, at positions L .. L + C - 1.
+        self_conditioning_logits: (B, C, V) float32 or None (first step of a canvas).
+        self_conditioning_mask: (B,) bool or None (training: per-row switch for self-conditioning).
+        out: optional (B, C, V) float32 C-contiguous array to write the logits into (it may *be*
+            ``self_conditioning_logits``: the input is consumed before the output is written).
+        Returns the logits (B, C, V) float32 (``out`` when given). Raises ``InputError`` exactly where
+        ``reference.model.Model.denoise`` does (wrong canvas length, ids out of range, SC logits of the
+        wrong shape or holding NaN, cache of another batch size) and for a misshapen ``out``.
+        SPEC §7; the self-conditioning softmax is computed inside ``out`` (no second (C, V) buffer).
+        """
+        config = self.config
+        ids = self._check_ids("canvas", canvas, cache)
+        B, C = ids.shape
+        V = config.vocab_size
+        if C != config.canvas_length:
+            raise InputError(f"canvas has length {C}, but this model's canvas_length is {config.canvas_length}")
+        sc = None
+        if self_conditioning_logits is not None:
+            sc = np.asarray(self_conditioning_logits)
+            if sc.shape != (B, C, V):
+                raise InputError(f"self_conditioning_logits has shape {sc.shape}, expected {(B, C, V)}")
+            sc = np.ascontiguousarray(sc, dtype=np.float32)
+            if np.isnan(sc).any():
+                raise InputError("self_conditioning_logits contains NaN")
+        if self_conditioning_mask is not None and np.shape(self_conditioning_mask) != (B,):
+            raise InputError(f"self_conditioning_mask has shape {np.shape(self_conditioning_mask)}, expected {(B,)}")
+        if out is None:
+            out = np.empty((B, C, V), dtype=np.float32)
+        elif (not isinstance(out, np.ndarray) or out.shape != (B, C, V) or out.dtype != np.float32
+              or not out.flags.c_contiguous):
+            raise InputError(f"out must be a C-contiguous float32 array of shape {(B, C, V)}")
+        probs = None
+        if sc is not None:
+            self.ops.softmax(sc.reshape(B * C, V), out.reshape(B * C, V))  # SC probabilities, in out
+            probs = out
+        mask = None if self_conditioning_mask is None else np.asarray(self_conditioning_mask, dtype=np.float32)
+        self.decode_rows(ids, np.arange(B, dtype=np.int64), cache, probs, out, mask)
+        return out
+
+    def decode_rows(self, canvas: np.ndarray, rows: np.ndarray, cache: KVCache, probs: np.ndarray | None,
+                    logits: np.ndarray, sc_mask: np.ndarray | None = None) -> None:
+        """The decoder on a subset of batch rows, for callers that manage their own buffers (``generate``).
+
+        canvas: (N, C) int64 ids (checked by the caller) of cache rows ``rows`` (N,) int64.
+        probs: None (no self-conditioning) or an array (R, C, V) float32 whose row ``rows[i]`` holds the
+            self-conditioning *probabilities* (softmax of the processed logits) of canvas row i.
+        logits: (R, C, V) float32; row ``rows[i]`` receives canvas row i's soft-capped logits (it may be
+            ``probs``: the probabilities are consumed first). sc_mask: (N,) float32 or None.
+        Other rows of ``probs`` / ``logits`` are not touched.
+        """
+        config, ops, ws, xp = self.config, self.ops, self.workspace, self.xp
+        N, C = canvas.shape
+        H, M = config.hidden_size, N * C
+        contiguous = logits.shape[0] == N and bool(np.array_equal(rows, np.arange(N)))
+        h = ws.get("h", (M, H))
+        signal = None
+        if probs is not None:  # SPEC §7.1: u = softmax(S) @ E * s_emb -> SC MLP(pre_norm(u))
+            u = ws.get("sc_u", (M, H))
+            if contiguous:
+                xp.matmul(probs.reshape(M, -1), self.embed_tokens, out=u)
+            else:
+                for i, row in enumerate(rows):
+                    xp.matmul(probs[row], self.embed_tokens, out=u[i * C:(i + 1) * C])
+            xp.multiply(u, self._embed_scale, out=u)
+            if sc_mask is not None:
+                xp.multiply(u.reshape(N, C, H), sc_mask[:, None, None], out=u.reshape(N, C, H))
+            x = ws.get("x", (M, H))
+            ops.rms_norm(u, self.sc_pre_norm, self._eps, x)
+            signal = ws.get("sc_signal", (M, H))
+            self._gated_mlp(x, self.sc_gate_up, self.sc_down, signal)
+        ops.embed(canvas.reshape(-1), self.embed_tokens, self._embed_scale, signal, True, self._eps, h)
+        positions = cache.length + np.arange(C, dtype=np.int64)
+        canvas_real = ws.get("canvas_real", (N, C), np.uint8)
+        canvas_real.fill(1)
+        for l, w in enumerate(self.layers):
+            self._block(l, w, h, N, C, positions, cache, rows, canvas_real, decoder=True)
+        hn = ws.get("x", (M, H))
+        ops.rms_norm(h, self.final_norm, self._eps, hn)
+        if contiguous:
+            flat = logits.reshape(M, -1)
+            xp.matmul(hn, self.embed_tokens.T, out=flat)
+            ops.softcap(flat, self._cap)
+        else:
+            for i, row in enumerate(rows):
+                xp.matmul(hn[i * C:(i + 1) * C], self.embed_tokens.T, out=logits[row])
+                ops.softcap(logits[row], self._cap)
+
+    # ------------------------------------------------------------------ shared block
+    def _rope(self, kind: str, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(n, d/2) float32 cos and sin of positions start..start+n-1 (memoised: a canvas reuses them)."""
+        key = (kind, int(start), int(n))
+        tables = self._rope_tables.get(key)
+        if tables is None:
+            if len(self._rope_tables) > 32:
+                self._rope_tables.clear()
+            angles = (start + np.arange(n)).astype(np.float32)[:, None] * self._omega[kind]  # (n, d/2)
+            tables = (np.ascontiguousarray(np.cos(angles)), np.ascontiguousarray(np.sin(angles)))
+            self._rope_tables[key] = tables
+        return tables
+
+    def _block(self, l: int, w: LayerWeights, h: np.ndarray, N: int, S: int, positions: np.ndarray,
+               cache: KVCache, rows: np.ndarray, new_real: np.ndarray, decoder: bool) -> None:
+        """One transformer block on the residual ``h`` (N*S, H), in place (SPEC §4).
+
+        Encoder (decoder=False): the S new tokens attend causally to the retained cache plus themselves
+        and their keys/values are stored (full layers: straight into the cache slots; sliding layers:
+        into the ring after the attention). Decoder: the canvas attends bidirectionally to the retained
+        cache plus the whole canvas; nothing is stored.
+        """
+        config, ops, ws, xp = self.config, self.ops, self.workspace, self.xp
+        M, H = N * S, config.hidden_size
+        n_h, g, d = config.num_attention_heads, w.num_kv_heads, w.head_dim
+        x = ws.get("x", (M, H))
+        ops.rms_norm(h, w.input_norm, self._eps, x)
+        proj = ws.get("proj", (M, w.qkv.shape[0]))
+        xp.matmul(x, w.qkv.T, out=proj)
+        q = ws.get("q", (N, S, n_h, d))
+        in_place = not decoder and not w.sliding  # full-layer encode: keys go straight into the cache
+        if in_place:
+            new_k, new_v = cache.full_layer_slots(l, S)
+        else:
+            new_k, new_v = ws.get("new_k", (N, g, S, d)), ws.get("new_v", (N, g, S, d))
+        cos, sin = self._rope(config.layer_types[l], int(positions[0]), S)
+        ops.heads(proj.reshape(N, S, -1), n_h, g, d, w.sliding, w.q_norm, w.k_norm,
+                  self._eps, cos, sin, q, new_k, new_v)
+        attn = ws.get("attn", (N, S, n_h * d))
+        if in_place:
+            n_cache, keys, values = cache.length + S, ws.get("no_k", (N, g, 0, d)), ws.get("no_v", (N, g, 0, d))
+            key_pos, key_real = positions[:0], new_real[:, :0]
+        else:
+            n_cache, keys, values, key_pos, key_real = cache.cached_slots(l), new_k, new_v, positions, new_real
+        window = config.sliding_window if (w.sliding and not decoder) else 0
+        T = n_cache + keys.shape[2]
+        scratch = ws.get("attn_scratch", (max(1, ops.max_threads()), ops.ATTENTION_QUERY_BLOCK * (n_h // g) * T))
+        ops.attention(q, positions, cache.keys[l], cache.values[l], rows, n_cache, cache.slot_positions[l],
+                      cache.real, keys, values, key_pos, key_real, window, not decoder, scratch, attn)
+        if not decoder and w.sliding:
+            cache.store_sliding(l, new_k, new_v)
+        o = ws.get("o", (M, H))
+        xp.matmul(attn.reshape(M, -1), w.o_proj.T, out=o)
+        ops.residual_norm_add(h, o, w.post_attention_norm, self._eps, np.float32(1.0))
+        # feed-forward: dense MLP and routed experts in parallel (SPEC §4.2)
+        x = ws.get("x", (M, H))
+        ops.rms_norm(h, w.pre_ffn_norm, self._eps, x)
+        dense = ws.get("dense", (M, H))
+        self._gated_mlp(x, w.mlp_gate_up, w.mlp_down, dense)
+        moe = self._experts(w, h)
+        scalar = w.decoder_scalar if decoder else w.encoder_scalar
+        ops.feed_forward_residual(h, dense, moe, w.post_ffn_norm_1, w.post_ffn_norm_2, w.post_ffn_norm,
+                                  self._eps, scalar)
+
+    def _gated_mlp(self, x: np.ndarray, gate_up: np.ndarray, down: np.ndarray, out: np.ndarray) -> None:
+        """``out = (gelu(x G^T) * (x U^T)) D^T`` with [G; U] stacked in ``gate_up``. x, out: (M, H)."""
+        ws, xp = self.workspace, self.xp
+        M = x.shape[0]
+        gu = ws.get("gate_up", (M, gate_up.shape[0]))
+        xp.matmul(x, gate_up.T, out=gu)
+        act = ws.get("act", (M, down.shape[1]))
+        self.ops.gelu_gate(gu, act)
+        xp.matmul(act, down.T, out=out)
+
+    def _experts(self, w: LayerWeights, h: np.ndarray) -> np.ndarray:
+        """Router and experts on the residual h (M, H): each expert runs once on its gathered tokens.
+
+        Returns the weighted expert sum (M, H) (before ``post_feedforward_layernorm_2``), a workspace view.
+        """
+        config, ops, ws, xp = self.config, self.ops, self.workspace, self.xp
+        M, H = h.shape
+        E, K = config.num_experts, config.top_k_experts
+        z = ws.get("router_in", (M, H))
+        ops.rms_norm(h, w.router_scale, self._eps, z)  # router input: the raw residual (trap T7)
+        xp.multiply(z, self._router_factor, out=z)
+        logits = ws.get("router_logits", (M, E))
+        xp.matmul(z, w.router.T, out=logits)
+        indices, weights = ws.get("top_index", (M, K), np.int64), ws.get("top_weight", (M, K))
+        ops.route(logits, w.per_expert_scale, indices, weights)
+        x = ws.get("expert_in", (M, H))
+        ops.rms_norm(h, w.pre_ffn_norm_2, self._eps, x)
+        offsets = ws.get("expert_offsets", (E + 1,), np.int64)
+        order = ws.get("expert_order", (M * K,), np.int64)
+        position = ws.get("expert_position", (M, K), np.int64)
+        ops.group_by_expert(indices, offsets, order, position)
+        grouped = ws.get("expert_x", (M * K, H))
+        ops.gather_rows(x, order, grouped)
+        I2 = w.expert_gate_up.shape[1]
+        gate_up = ws.get("expert_gate_up", (M * K, I2))
+        act = ws.get("expert_act", (M * K, I2 // 2))
+        y = ws.get("expert_y", (M * K, H))
+        bounds = offsets.tolist()
+        hit = [(e, bounds[e], bounds[e + 1]) for e in range(E) if bounds[e + 1] > bounds[e]]
+        for e, a, b in hit:
+            xp.matmul(grouped[a:b], w.expert_gate_up[e].T, out=gate_up[a:b])
+        ops.gelu_gate(gate_up, act)
+        for e, a, b in hit:
+            xp.matmul(act[a:b], w.expert_down[e].T, out=y[a:b])
+        moe = ws.get("moe", (M, H))
+        ops.combine_experts(y, indices, position, weights, moe)
+        return moe
