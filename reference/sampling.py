@@ -100,7 +100,8 @@ def scale_logits(logits: np.ndarray, temp: np.float32 | None) -> np.ndarray:
     """
     if temp is None:
         return np.array(logits, dtype=np.float32, copy=True)
-    return np.asarray(logits, dtype=np.float32) / np.float32(temp)
+    with np.errstate(over="ignore"):  # an overflow to inf is reported by check_logits, not as a warning
+        return np.asarray(logits, dtype=np.float32) / np.float32(temp)
 
 
 # ---------------------------------------------------------------------------------------------- distributions
@@ -183,7 +184,7 @@ def categorical_from_uniform(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
         total = cdf[:, -1]  # (r,)
         if not (np.isfinite(total) & (total > 0)).all():
             bad = start + int(np.argmax(~(np.isfinite(total) & (total > 0))))
-            raise SamplingError(f"probability row {bad} sums to {total[bad - start]!r}; cannot sample a token")
+            raise SamplingError(f"probability row {bad} sums to {float(total[bad - start])!r}; cannot sample a token")
         target = flat_u[start:start + chunk] * total[:, None]  # (r, S)
         ids = _count_at_most(cdf, target)  # first index with cdf > target, or V
         overflow = ids >= V
