@@ -6,22 +6,23 @@ holds model state, and nothing here draws random numbers (the draws are inputs, 
 
 One denoising step of one canvas (B rows, C positions, vocabulary V), cur_step n = N, N-1, ..., 1:
 
-    z  (B, C, V) float32   soft-capped logits from the decoder            check_logits
-    T_n = t_min + (t_max - t_min) * n / N   (float32)                       temperature
-    ẑ = z / T_n                                                              scale_logits
-    p = softmax(ẑ),  H_j = entropy of row j (float32)                       softmax_and_entropy
-    y_j ~ Categorical(p_j)   one draw per position                           categorical_from_uniform
-    ā_j = argmax_v ẑ_j  (the "draft", first index on ties)                   argmax_tokens
-    A = entropy-bound acceptance of H (a prefix of the ascending order)      entropy_bound_accept
-    r ~ UniformInt[0, V) (B, C)   fresh noise, drawn every step
-    x' = where(A, y, r)                                                      renoise
-    rows already finished keep (ā, x, ẑ, H) from the previous step           freeze_rows
-    finished |= stable(ā) & mean(H) < γ                                      StableAndConfident
+    z  (B, C, V) float32   soft-capped logits from the decoder              check_logits
+    T_n = t_min + (t_max - t_min) * n / N   (float32; no schedule: z as is)  temperature
+    ẑ = z / T_n   the "processed" logits                                       scale_logits
+    p = softmax(ẑ),  H_j = entropy of position j (float32)                    softmax_and_entropy
+    y_j ~ Categorical(p_j)   one draw per position (random draw 1 of 2)        categorical_from_uniform
+    ā_j = argmax_v ẑ_j  (the "draft", first index on ties)                     argmax_tokens
+    A = entropy-bound acceptance of H (a prefix of the ascending order)        entropy_bound_accept
+    r ~ UniformInt[0, V) (B, C)   fresh noise (random draw 2 of 2)
+    x' = where(A, y, r)                                                        renoise
+    rows already finished keep (ā, x, ẑ, H) from the previous step             freeze_rows
+    finished |= stable(ā) & mean_j(H_j) < γ                                    StableAndConfident
     next step: x <- x', self-conditioning logits <- ẑ
 
-When every row is finished (or after N steps) the draft ā is committed, not the sampled canvas, and
-``finalize_canvas`` applies the EOS/pad rules. ``tokens_per_forward`` is the throughput statistic that
-transformers reports.
+The freeze and stop stages exist only with adaptive stopping (both thresholds set); without it every
+canvas runs all N steps. When every row is finished (or after N steps) the draft ā is committed, not the
+sampled canvas, and ``finalize_canvas`` applies the EOS/pad rules. ``tokens_per_forward`` is the
+throughput statistic that transformers reports.
 
 Upstream: transformers 5.24.0, ``generation_diffusion_gemma.py`` (``LinearTemperatureScheduleLogitsProcessor``,
 ``EntropyBoundSampler``, ``StableAndConfidentStoppingCriteria``, ``DiffusionGemmaGenerationMixin._denoising_step``,
@@ -31,9 +32,10 @@ these functions reproduce its tokens exactly (tests/test_generate_parity.py).
 Numerics, and where they can differ from torch in the last bit:
 
 * Everything is float32 except two accumulations done in float64: the cumulative entropy of the
-  acceptance rule (torch's CPU ``cumsum`` accumulates float32 in double; matched bit for bit) and the
-  cumulative distribution of the categorical draw (our own inverse-CDF sampler; torch's multinomial is
-  not reproducible from NumPy, so its draws are replayed instead).
+  acceptance rule (torch's CPU ``cumsum`` accumulates float32 in double, which we match bit for bit;
+  torch on CUDA accumulates in float32) and the cumulative distribution of the categorical draw (our own
+  inverse-CDF rule; torch's multinomial stream cannot be reproduced from NumPy, so for comparisons its
+  draws are replayed).
 * Entropies and their mean are float32 reductions whose summation order differs from torch's, so they
   agree with torch to about 1e-6 relative, not bit for bit. A decision can differ from torch only when
   a value lands within that distance of the entropy bound or the confidence threshold.
@@ -135,11 +137,13 @@ def softmax_and_entropy(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     z = np.asarray(logits, dtype=np.float32)
     top = z.max(axis=-1, keepdims=True)  # (..., 1)
-    unnormalised = np.exp(z - top)  # (..., V)
-    total = unnormalised.sum(axis=-1, keepdims=True, dtype=np.float32)  # (..., 1), >= 1
-    probs = unnormalised / total
-    log_probs = np.maximum(z - (top + np.log(total)), np.finfo(np.float32).min)
-    entropy = -np.sum(log_probs * probs, axis=-1, dtype=np.float32)
+    probs = np.exp(z - top)  # (..., V) unnormalised for now
+    total = probs.sum(axis=-1, keepdims=True, dtype=np.float32)  # (..., 1), >= 1
+    probs /= total
+    p_log_p = z - (top + np.log(total))  # (..., V) log-probabilities (in place below: V-wide arrays are large)
+    np.maximum(p_log_p, np.finfo(np.float32).min, out=p_log_p)
+    p_log_p *= probs
+    entropy = -np.sum(p_log_p, axis=-1, dtype=np.float32)
     return probs, entropy
 
 

@@ -348,9 +348,10 @@ def test_finalize_canvas_keeps_the_first_eos_and_pads_the_rest():
 
 def test_tokens_per_forward_excludes_pad_ids_and_divides_in_float32():
     new = np.array([[4, 0, 5, 0], [1, 2, 3, 4]])
-    np.testing.assert_array_equal(tokens_per_forward(new, np.array([3, 7]), 0), np.float32([2, 4]) / np.float32([3, 7]))
+    passes = np.array([3, 7])
+    np.testing.assert_array_equal(tokens_per_forward(new, passes, 0), np.float32([2, 4]) / np.float32([3, 7]))
     np.testing.assert_array_equal(tokens_per_forward(new, np.array([2, 2]), None), [2.0, 2.0])
+    sequences = torch.cat([torch.zeros(2, 3, dtype=torch.long), torch.from_numpy(new)], 1)
     hf = hf_generation.DiffusionGemmaGenerationMixin._compute_tokens_per_forward(
-        torch.cat([torch.zeros(2, 3, dtype=torch.long), torch.from_numpy(new)], 1), torch.tensor([3, 7], dtype=torch.int),
-        3, 0)
-    np.testing.assert_array_equal(tokens_per_forward(new, np.array([3, 7]), 0), hf.numpy())
+        sequences, torch.from_numpy(passes).int(), 3, 0)
+    np.testing.assert_array_equal(tokens_per_forward(new, passes, 0), hf.numpy())
