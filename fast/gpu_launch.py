@@ -1,0 +1,524 @@
+"""Launch configuration of the GPU kernels: grids, blocks, shared memory, and argument checks.
+
+Pure Python, no CuPy import: everything here works on anything that looks like an array (``shape``,
+``dtype``, ``flags.c_contiguous``), so NumPy arrays stand in for CuPy arrays in the host tests.
+
+* The kernels' parameter lists are read from the CUDA sources themselves (``signatures()`` parses every
+  ``extern "C" __global__`` function of ``fast/cuda/*.cu``), and the tuning constants (``DG_*``) from
+  ``fast/cuda/common.cuh``: each fact is written once, in the CUDA code.
+* One builder per kernel (``rms_norm``, ``attention``, ``sample_rows``...) checks the shapes and dtypes
+  of its operands against each other, chooses the launch geometry, and returns a ``Launch``: the kernel
+  name, grid, block, dynamic shared memory and the packed argument tuple. ``pack_args`` converts Python
+  numbers into NumPy scalars of the exact C type (CuPy passes a scalar by its NumPy type), checks every
+  array's dtype and C-contiguity (kernels index raw memory, so a strided view would be read wrongly), and
+  keeps ``None`` for a nullable (``*_opt``) pointer; ``fast.gpu`` passes that as a 64-bit zero (CuPy
+  turns a ``None`` argument into an invalid address, not NULL).
+
+Errors: ``LaunchError`` (a ``ValueError``) naming the kernel, the operand and the offending shape, dtype
+or value. Upstream behaviour is not reproduced here; see each kernel's source for that.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+CUDA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
+#: Dynamic shared memory a block may use without opting in (every architecture since sm_70).
+DEFAULT_SHARED_LIMIT = 48 * 1024
+#: Budget for the attention kernel's dynamic shared memory (opt-in above 48 KiB; sm_80/86/89/90 all allow
+#: at least 99 KiB per block).
+ATTENTION_SHARED_BUDGET = 96 * 1024
+
+
+class LaunchError(ValueError):
+    """A kernel was asked to run on operands of the wrong shape, dtype or layout, or out of its limits."""
+
+
+# ------------------------------------------------------------------------------------------------ source facts
+_C_TYPES = {  # C parameter type -> (kind, numpy dtype)
+    "float*": ("ptr", np.float32), "double*": ("ptr", np.float64), "long long*": ("ptr", np.int64),
+    "int*": ("ptr", np.int32), "unsigned char*": ("ptr", np.uint8),
+    "float": ("scalar", np.float32), "double": ("scalar", np.float64), "long long": ("scalar", np.int64),
+    "int": ("scalar", np.int32),
+}
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)',
+                     re.DOTALL)
+_DEFINE = re.compile(r"^#define\s+(DG_\w+)\s+(\d+)\s*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter as declared in the CUDA source."""
+
+    name: str  # the C parameter name; a name ending in "_opt" may be NULL
+    kind: str  # "ptr" or "scalar"
+    dtype: Any  # numpy dtype of the pointee (ptr) or of the value (scalar)
+    const: bool  # declared const (read only)
+
+    @property
+    def nullable(self) -> bool:
+        return self.name.endswith("_opt")
+
+
+def parse_signatures(source: str) -> dict[str, tuple[Param, ...]]:
+    """``{kernel name: parameters}`` of every ``extern "C" __global__`` function in ``source``.
+
+    Raises ``LaunchError`` for a parameter type this module cannot pass (so a new kernel cannot silently
+    get arguments of the wrong width)."""
+    out = {}
+    for name, params in _KERNEL.findall(source):
+        parsed = []
+        for raw in params.split(","):
+            text = " ".join(raw.replace("*", " * ").split())
+            if not text:
+                continue
+            const = text.startswith("const ")
+            text = text[6:] if const else text
+            text = text.replace("__restrict__", "").strip()
+            ctype, _, pname = text.rpartition(" ")
+            ctype = ctype.replace(" *", "*").strip()
+            if ctype not in _C_TYPES:
+                raise LaunchError(f"kernel {name}: parameter {raw.strip()!r} has a type gpu_launch cannot pass")
+            kind, dtype = _C_TYPES[ctype]
+            parsed.append(Param(pname, kind, np.dtype(dtype), const))
+        out[name] = tuple(parsed)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def signatures(directory: str = CUDA_DIR) -> dict[str, tuple[Param, ...]]:
+    """Parameters of every kernel in ``directory/*.cu`` (parsed once)."""
+    out: dict[str, tuple[Param, ...]] = {}
+    for file in sorted(os.listdir(directory)):
+        if file.endswith(".cu"):
+            with open(os.path.join(directory, file), encoding="utf-8") as f:
+                for name, params in parse_signatures(f.read()).items():
+                    if name in out:
+                        raise LaunchError(f"kernel {name} is defined twice (second time in {file})")
+                    out[name] = params
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def constants(directory: str = CUDA_DIR) -> dict[str, int]:
+    """The ``#define DG_NAME integer`` constants of ``common.cuh``."""
+    with open(os.path.join(directory, "common.cuh"), encoding="utf-8") as f:
+        return {k: int(v) for k, v in _DEFINE.findall(f.read())}
+
+
+def const(name: str) -> int:
+    """One constant of ``common.cuh`` (``KeyError`` if absent)."""
+    return constants()[name]
+
+
+# ------------------------------------------------------------------------------------------------ launches
+@dataclass(frozen=True)
+class Launch:
+    """Everything needed to launch one kernel: ``function(grid, block, args, shared_mem=shared_mem)``."""
+
+    kernel: str  # extern "C" name
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    args: tuple  # packed: arrays, numpy scalars of the exact C type, None for a NULL pointer
+    shared_mem: int = 0  # dynamic shared memory, bytes
+
+    @property
+    def needs_shared_opt_in(self) -> bool:
+        """True when the dynamic shared memory exceeds the 48 KiB a block gets without opting in."""
+        return self.shared_mem > DEFAULT_SHARED_LIMIT
+
+
+def _dims(value: int | Sequence[int], what: str, kernel: str) -> tuple[int, int, int]:
+    dims = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
+    dims = tuple(int(v) for v in dims) + (1,) * (3 - len(dims))
+    if len(dims) != 3 or any(v < 1 for v in dims):
+        raise LaunchError(f"{kernel}: {what} {dims} must be 1 to 3 positive sizes")
+    limits = (2**31 - 1, 65535, 65535) if what == "grid" else (1024, 1024, 64)
+    if any(v > lim for v, lim in zip(dims, limits)) or (what == "block" and math.prod(dims) > 1024):
+        raise LaunchError(f"{kernel}: {what} {dims} exceeds the CUDA limits {limits}")
+    return dims
+
+
+def pack_args(kernel: str, values: Sequence[Any]) -> tuple:
+    """Check ``values`` against the kernel's declared parameters and convert scalars to exact C types.
+
+    Arrays must have the pointee's dtype and be C-contiguous; ``None`` is accepted only for ``*_opt``
+    parameters. Integers must fit their C type. Raises ``LaunchError`` naming the parameter.
+    """
+    sig = signatures().get(kernel)
+    if sig is None:
+        raise LaunchError(f"no kernel named {kernel!r} in the CUDA sources")
+    if len(values) != len(sig):
+        raise LaunchError(f"{kernel} takes {len(sig)} arguments ({', '.join(p.name for p in sig)}), "
+                          f"got {len(values)}")
+    packed = []
+    for p, v in zip(sig, values):
+        if p.kind == "ptr":
+            if v is None:
+                if not p.nullable:
+                    raise LaunchError(f"{kernel}: {p.name} must not be NULL")
+                packed.append(None)
+                continue
+            dtype = getattr(v, "dtype", None)
+            if dtype is None or not hasattr(v, "shape"):
+                raise LaunchError(f"{kernel}: {p.name} must be an array, got {type(v).__name__}")
+            if np.dtype(dtype) != p.dtype:
+                raise LaunchError(f"{kernel}: {p.name} must be {p.dtype}, got {np.dtype(dtype)}")
+            if not v.flags.c_contiguous:
+                raise LaunchError(f"{kernel}: {p.name} must be C-contiguous (shape {tuple(v.shape)})")
+            packed.append(v)
+        else:
+            if hasattr(v, "shape") and getattr(v, "ndim", 0) != 0:
+                raise LaunchError(f"{kernel}: {p.name} must be a scalar, got an array of shape {tuple(v.shape)}")
+            if p.dtype.kind == "i":
+                if isinstance(v, (bool, np.bool_)) or not float(v).is_integer():
+                    raise LaunchError(f"{kernel}: {p.name} must be an integer, got {v!r}")
+                info = np.iinfo(p.dtype)
+                if not info.min <= int(v) <= info.max:
+                    raise LaunchError(f"{kernel}: {p.name}={int(v)} does not fit in {p.dtype}")
+                packed.append(p.dtype.type(int(v)))
+            else:
+                value = float(v)
+                if math.isnan(value):
+                    raise LaunchError(f"{kernel}: {p.name} is NaN")
+                packed.append(p.dtype.type(value))
+    return tuple(packed)
+
+
+def _launch(kernel: str, grid, block, values: Sequence[Any], shared_mem: int = 0) -> Launch:
+    return Launch(kernel, _dims(grid, "grid", kernel), _dims(block, "block", kernel), pack_args(kernel, values),
+                  int(shared_mem))
+
+
+# ------------------------------------------------------------------------------------------------ shape checks
+def _shape(kernel: str, name: str, array: Any, shape: tuple, dtype=None) -> None:
+    if array is None:
+        return
+    if tuple(array.shape) != tuple(shape):
+        raise LaunchError(f"{kernel}: {name} has shape {tuple(array.shape)}, expected {tuple(shape)}")
+    if dtype is not None and np.dtype(array.dtype) != np.dtype(dtype):
+        raise LaunchError(f"{kernel}: {name} must be {np.dtype(dtype)}, got {np.dtype(array.dtype)}")
+
+
+def _ndim(kernel: str, name: str, array: Any, ndim: int) -> None:
+    if len(array.shape) != ndim:
+        raise LaunchError(f"{kernel}: {name} must be {ndim}-D, got shape {tuple(array.shape)}")
+
+
+def _row_threads(dim: int) -> int:
+    """Threads for a row of ``dim`` values: a multiple of 32, at most DG_ROW_THREADS."""
+    return int(min(const("DG_ROW_THREADS"), max(32, -(-dim // 32) * 32)))
+
+
+# ------------------------------------------------------------------------------------------------ norms.cu
+def rms_norm(x, weight, out, eps: float, post: float = 1.0) -> Launch:
+    """``out = rms_norm(x) * weight * post`` row-wise; x, out (rows, dim) float32, weight (dim,) or None."""
+    k = "dg_rms_norm"
+    _ndim(k, "x", x, 2)
+    rows, dim = x.shape
+    _shape(k, "out", out, (rows, dim))
+    _shape(k, "weight", weight, (dim,))
+    return _launch(k, max(rows, 1), _row_threads(dim), (x, weight, post, out, rows, dim, eps))
+
+
+def residual_norm(h, y, weight, scalar: float, eps: float) -> Launch:
+    """``h = (h + rms_norm(y) * weight) * scalar``; h, y (rows, dim), weight (dim,)."""
+    k = "dg_residual_norm"
+    _ndim(k, "h", h, 2)
+    rows, dim = h.shape
+    _shape(k, "y", y, (rows, dim))
+    _shape(k, "weight", weight, (dim,))
+    return _launch(k, max(rows, 1), _row_threads(dim), (h, y, weight, scalar, rows, dim, eps))
+
+
+def ffn_tail(h, dense, moe, w_dense, w_moe, w_out, scalar: float, eps: float) -> Launch:
+    """End of a block; see ``dg_ffn_tail``. h, dense, moe (rows, dim); weights (dim,)."""
+    k = "dg_ffn_tail"
+    _ndim(k, "h", h, 2)
+    rows, dim = h.shape
+    for name, a in (("dense", dense), ("moe", moe)):
+        _shape(k, name, a, (rows, dim))
+    for name, a in (("w_dense", w_dense), ("w_moe", w_moe), ("w_out", w_out)):
+        _shape(k, name, a, (dim,))
+    return _launch(k, max(rows, 1), _row_threads(dim), (h, dense, moe, w_dense, w_moe, w_out, scalar, rows, dim, eps))
+
+
+def embed(ids, table, scale: float, add, normalize: bool, out, eps: float) -> Launch:
+    """``out = table[ids] * scale (+ add)``, then optionally a weightless RMSNorm. ids (rows,) int64;
+    table (V, H); add, out (rows, H)."""
+    k = "dg_embed"
+    _ndim(k, "ids", ids, 1)
+    _ndim(k, "table", table, 2)
+    rows, dim = ids.shape[0], table.shape[1]
+    _shape(k, "out", out, (rows, dim))
+    _shape(k, "add", add, (rows, dim))
+    return _launch(k, max(rows, 1), _row_threads(dim), (ids, table, scale, add, int(bool(normalize)), out, rows,
+                                                        dim, eps))
+
+
+def softcap(x, cap: float) -> Launch:
+    """``x = cap * tanh(x / cap)`` in place over every element of x (any shape, contiguous)."""
+    n = int(math.prod(x.shape))
+    threads = 256
+    blocks = max(1, min(-(-n // threads), 65535 * 16))
+    return _launch("dg_softcap", blocks, threads, (x, n, cap))
+
+
+# ------------------------------------------------------------------------------------------------ mlp.cu, rope.cu
+def gated_gelu(gu, out) -> Launch:
+    """``out = gelu(gu[:, :I]) * gu[:, I:]``; gu (rows, 2I), out (rows, I)."""
+    k = "dg_gated_gelu"
+    _ndim(k, "gu", gu, 2)
+    rows, width = gu.shape
+    if width % 2:
+        raise LaunchError(f"{k}: gu has an odd width {width}; expected gate and up halves")
+    _shape(k, "out", out, (rows, width // 2))
+    threads = 256
+    blocks = max(1, min(-(-(rows * width // 2) // threads), 65535 * 16))
+    return _launch(k, blocks, threads, (gu, out, rows, width // 2))
+
+
+def qkv_heads(proj, batch: int, S: int, n_heads: int, n_kv: int, d: int, has_v: bool, q_norm, k_norm, cos, sin,
+              q_out, k_out, v_out, eps: float) -> Launch:
+    """Split a fused q/k(/v) projection into normed, rotated heads (see ``dg_qkv_heads``).
+
+    proj (batch*S, (n_heads + (2 if has_v else 1) * n_kv) * d); cos, sin (S, d/2); q_out (batch, S, n_heads, d);
+    k_out, v_out (batch, n_kv, S, d)."""
+    k = "dg_qkv_heads"
+    if d % 2 or d > const("DG_MAX_HEAD_DIM") or d <= 0:
+        raise LaunchError(f"{k}: head dim {d} must be even and at most {const('DG_MAX_HEAD_DIM')}")
+    if n_kv <= 0 or n_heads % n_kv:
+        raise LaunchError(f"{k}: {n_kv} KV heads do not divide {n_heads} query heads")
+    tokens = batch * S
+    _shape(k, "proj", proj, (tokens, (n_heads + (2 if has_v else 1) * n_kv) * d))
+    _shape(k, "q_norm", q_norm, (d,))
+    _shape(k, "k_norm", k_norm, (d,))
+    _shape(k, "cos", cos, (S, d // 2))
+    _shape(k, "sin", sin, (S, d // 2))
+    _shape(k, "q_out", q_out, (batch, S, n_heads, d))
+    _shape(k, "k_out", k_out, (batch, n_kv, S, d))
+    _shape(k, "v_out", v_out, (batch, n_kv, S, d))
+    return _launch(k, (max(tokens, 1), n_heads + n_kv), _row_threads(d),
+                   (proj, tokens, S, n_heads, n_kv, d, int(bool(has_v)), q_norm, k_norm, cos, sin, q_out, k_out,
+                    v_out, eps))
+
+
+# ------------------------------------------------------------------------------------------------ attention.cu
+def attention_shared_bytes(q_block: int, r: int, d: int, key_tile: int) -> int:
+    """Dynamic shared memory of ``dg_attention``: key positions (int64) and flags (int32), the block's
+    queries, a padded key tile and a value tile (float32)."""
+    split = 32 // key_tile
+    return key_tile * 12 + 4 * (q_block * r * d + key_tile * (2 * d + split))
+
+
+def attention_plan(S: int, r: int, d: int, budget: int = ATTENTION_SHARED_BUDGET) -> tuple[int, int, int]:
+    """(q_block, key_tile, shared bytes) for S queries, group size r, head dim d.
+
+    A block holds q_block * r (query, head) rows, at most warps * DG_ATT_ROWS_PER_WARP; the key tile is the
+    largest of 32, 16, 8, 4, 2, 1 keys whose tiles fit ``budget`` (with 32 / key_tile dividing d); below 8
+    keys the block takes fewer queries instead. Raises ``LaunchError`` when nothing fits."""
+    rows_cap = (const("DG_ATT_THREADS") // 32) * const("DG_ATT_ROWS_PER_WARP")
+    if d <= 0 or d % 2 or d > const("DG_MAX_HEAD_DIM"):
+        raise LaunchError(f"dg_attention: head dim {d} must be even and at most {const('DG_MAX_HEAD_DIM')}")
+    if r < 1 or r > rows_cap:
+        raise LaunchError(f"dg_attention: {r} query heads per KV head exceed the {rows_cap} rows of a block")
+    q_block = max(1, min(S, rows_cap // r))
+    while True:
+        for key_tile in (32, 16, 8, 4, 2, 1):
+            if d % (32 // key_tile):
+                continue
+            smem = attention_shared_bytes(q_block, r, d, key_tile)
+            if smem <= budget and (key_tile >= 8 or q_block == 1):
+                return q_block, key_tile, smem
+        if q_block == 1:
+            raise LaunchError(f"dg_attention: head dim {d} with {r} heads per KV head does not fit "
+                              f"{budget} bytes of shared memory")
+        q_block = max(1, q_block // 2)
+
+
+def attention(q, q_pos, cache_k, cache_v, cache_rows, n_cache: int, slot_pos, cache_real, new_k, new_v, new_pos,
+              new_real, window: int, causal: bool, out, budget: int = ATTENTION_SHARED_BUDGET) -> Launch:
+    """Grouped-query attention over [cache slots ++ new keys] (see ``dg_attention``).
+
+    q (N, S, n_h, d) float32; q_pos (S,) int64; cache_k, cache_v (B_c, g, slots, d) or None (no cache);
+    cache_rows (N,) int32 or None (row n reads cache row n); n_cache <= slots: leading slots to scan;
+    slot_pos (slots,) int64; cache_real (B_c, P) uint8; new_k, new_v (N, g, n_new, d) or None; new_pos
+    (n_new,) int64; new_real (N, n_new) uint8; out (N, S, n_h * d)."""
+    k = "dg_attention"
+    _ndim(k, "q", q, 4)
+    N, S, n_h, d = q.shape
+    _shape(k, "q_pos", q_pos, (S,))
+    _shape(k, "out", out, (N, S, n_h * d))
+    g = None
+    if n_cache > 0:
+        if cache_k is None or cache_v is None or slot_pos is None or cache_real is None:
+            raise LaunchError(f"{k}: n_cache={n_cache} but the cache arrays are missing")
+        _ndim(k, "cache_k", cache_k, 4)
+        B_c, g, slots, dk = cache_k.shape
+        if dk != d:
+            raise LaunchError(f"{k}: cache head dim {dk} != query head dim {d}")
+        if n_cache > slots:
+            raise LaunchError(f"{k}: n_cache={n_cache} exceeds the {slots} cache slots")
+        _shape(k, "cache_v", cache_v, cache_k.shape)
+        _shape(k, "slot_pos", slot_pos, (slots,))
+        _ndim(k, "cache_real", cache_real, 2)
+        if cache_real.shape[0] != B_c:
+            raise LaunchError(f"{k}: cache_real has {cache_real.shape[0]} rows, the cache {B_c}")
+        if cache_rows is None and N > B_c:
+            raise LaunchError(f"{k}: {N} query rows but only {B_c} cache rows")
+        _shape(k, "cache_rows", cache_rows, (N,))
+        real_stride = cache_real.shape[1]
+    else:
+        cache_k = cache_v = slot_pos = cache_real = cache_rows = None
+        slots, real_stride = 0, 0
+    n_new = 0
+    if new_k is not None:
+        _ndim(k, "new_k", new_k, 4)
+        if new_k.shape[0] != N or new_k.shape[3] != d:
+            raise LaunchError(f"{k}: new_k has shape {tuple(new_k.shape)}, expected ({N}, g, n_new, {d})")
+        if g is not None and new_k.shape[1] != g:
+            raise LaunchError(f"{k}: new_k has {new_k.shape[1]} KV heads, the cache {g}")
+        g, n_new = new_k.shape[1], new_k.shape[2]
+        _shape(k, "new_v", new_v, new_k.shape)
+        _shape(k, "new_pos", new_pos, (n_new,))
+        _shape(k, "new_real", new_real, (N, n_new))
+    else:
+        new_v = new_pos = new_real = None
+    if g is None:
+        raise LaunchError(f"{k}: no keys at all (no cache entries and no new keys)")
+    if n_h % g:
+        raise LaunchError(f"{k}: {g} KV heads do not divide {n_h} query heads")
+    q_block, key_tile, smem = attention_plan(S, n_h // g, d, budget)
+    grid = (max(1, -(-S // q_block)), g, max(N, 1))
+    return _launch(k, grid, const("DG_ATT_THREADS"),
+                   (q, q_pos, S, n_h, d, cache_k, cache_v, cache_rows, n_cache, slots, slot_pos, cache_real,
+                    real_stride, new_k, new_v, n_new, new_pos, new_real, g, int(window or 0), int(bool(causal)),
+                    q_block, key_tile, out), smem)
+
+
+# ------------------------------------------------------------------------------------------------ moe.cu
+def moe_rows(n_tokens: int, top_k: int, n_experts: int) -> tuple[int, int]:
+    """(tiles, rows) of the grouped expert buffers: every expert's group padded to whole tiles of
+    DG_GEMM_TM rows, for any routing of n_tokens * top_k choices."""
+    tm = const("DG_GEMM_TM")
+    rows = n_tokens * top_k + n_experts * (tm - 1)
+    tiles = max(1, -(-rows // tm))
+    return tiles, tiles * tm
+
+
+def router(probs, per_expert_scale, indices, weights) -> Launch:
+    """Softmax, top-K and weights of the router; probs (N, E) float32 (overwritten), indices (N, K) int64,
+    weights (N, K) float32, per_expert_scale (E,)."""
+    k = "dg_router"
+    _ndim(k, "probs", probs, 2)
+    N, E = probs.shape
+    _ndim(k, "indices", indices, 2)
+    K = indices.shape[1]
+    if not 1 <= K <= min(E, 32):
+        raise LaunchError(f"{k}: top_k={K} must be in [1, min(experts={E}, 32)]")
+    _shape(k, "indices", indices, (N, K))
+    _shape(k, "weights", weights, (N, K))
+    _shape(k, "per_expert_scale", per_expert_scale, (E,))
+    threads = 128
+    return _launch(k, max(1, -(-N // (threads // 32))), threads, (probs, per_expert_scale, indices, weights, N, E, K))
+
+
+def group_experts(indices, n_experts: int, offsets, row_token, choice_row, tile_expert) -> Launch:
+    """Counting sort of the choices by expert (one block). indices (N, K) int64; offsets (E+1,) int32;
+    row_token (tiles * TM,) int32; choice_row (N, K) int32; tile_expert (tiles,) int32."""
+    k = "dg_group_experts"
+    _ndim(k, "indices", indices, 2)
+    N, K = indices.shape
+    tiles, rows = moe_rows(N, K, n_experts)
+    _shape(k, "offsets", offsets, (n_experts + 1,))
+    _shape(k, "row_token", row_token, (rows,))
+    _shape(k, "choice_row", choice_row, (N, K))
+    _shape(k, "tile_expert", tile_expert, (tiles,))
+    return _launch(k, 1, const("DG_ROW_THREADS"),
+                   (indices, N, K, n_experts, offsets, row_token, choice_row, tile_expert, tiles))
+
+
+def gather_rows(src, row_token, dst) -> Launch:
+    """``dst[r] = src[row_token[r]]`` (zero rows for -1). src (N, H); row_token (R,) int32; dst (R, H)."""
+    k = "dg_gather_rows"
+    _ndim(k, "src", src, 2)
+    R = row_token.shape[0]
+    _shape(k, "dst", dst, (R, src.shape[1]))
+    return _launch(k, max(R, 1), _row_threads(src.shape[1]), (src, row_token, dst, R, src.shape[1]))
+
+
+def grouped_gemm_nt(x, w, tile_group, y) -> Launch:
+    """Per row tile m of TM rows: ``y[tile] = x[tile] @ w[tile_group[m]].T``. x (tiles*TM, K); w (G, n_out, K);
+    tile_group (tiles,) int32; y (tiles*TM, n_out)."""
+    k = "dg_grouped_gemm_nt"
+    tm, tn = const("DG_GEMM_TM"), const("DG_GEMM_TN")
+    _ndim(k, "w", w, 3)
+    _ndim(k, "tile_group", tile_group, 1)
+    G, n_out, K = w.shape
+    tiles = tile_group.shape[0]
+    _shape(k, "x", x, (tiles * tm, K))
+    _shape(k, "y", y, (tiles * tm, n_out))
+    if tiles > 65535:
+        raise LaunchError(f"{k}: {tiles} row tiles exceed the grid's y limit 65535")
+    return _launch(k, (max(1, -(-n_out // tn)), tiles), const("DG_GEMM_THREADS"), (x, w, tile_group, y, tiles, n_out, K))
+
+
+def combine_experts(expert_out, indices, choice_row, weights, out) -> Launch:
+    """``out[t] = sum_k weights[t, k] * expert_out[choice_row[t, k]]`` in ascending expert order.
+    expert_out (R, H); indices (N, K) int64; choice_row (N, K) int32; weights (N, K) float32; out (N, H)."""
+    k = "dg_combine_experts"
+    _ndim(k, "indices", indices, 2)
+    N, K = indices.shape
+    if K > 32:
+        raise LaunchError(f"{k}: top_k={K} exceeds 32")
+    _ndim(k, "expert_out", expert_out, 2)
+    H = expert_out.shape[1]
+    _shape(k, "choice_row", choice_row, (N, K))
+    _shape(k, "weights", weights, (N, K))
+    _shape(k, "out", out, (N, H))
+    return _launch(k, max(N, 1), _row_threads(H), (expert_out, indices, choice_row, weights, out, N, K, H))
+
+
+# ------------------------------------------------------------------------------------------------ sampling.cu
+def sample_rows(logits, rows, cap: float, temp: float, uniforms, argmax, entropy, sampled, flags) -> Launch:
+    """The per-row sampling pass (see ``dg_sample_rows``). logits (R_all, V) float32; rows (R,) int32 row
+    indices; cap > 0 soft-caps first (0: none); temp > 0 divides (0: none); uniforms (R,) float64 or None
+    (no draw); argmax, sampled (R,) int64; entropy (R,) float32; flags (R,) int32."""
+    k = "dg_sample_rows"
+    _ndim(k, "logits", logits, 2)
+    R_all, V = logits.shape
+    _ndim(k, "rows", rows, 1)
+    R = rows.shape[0]
+    for name, a in (("uniforms", uniforms), ("argmax", argmax), ("entropy", entropy), ("sampled", sampled),
+                    ("flags", flags)):
+        _shape(k, name, a, (R,))
+    if not (cap >= 0 and temp >= 0):
+        raise LaunchError(f"{k}: cap ({cap}) and temp ({temp}) must be >= 0 (0 = not applied)")
+    chunks = -(-V // const("DG_SAMPLE_CHUNK"))
+    smem = 8 * chunks
+    if smem > DEFAULT_SHARED_LIMIT:
+        raise LaunchError(f"{k}: vocabulary {V} needs {smem} bytes of chunk sums (> {DEFAULT_SHARED_LIMIT})")
+    return _launch(k, max(R, 1), const("DG_SAMPLE_THREADS"),
+                   (logits, rows, R, V, cap, temp, uniforms, argmax, entropy, sampled, flags), smem)
+
+
+def accept_renoise(entropy, sampled, noise, bound: float, accepted, next_canvas) -> Launch:
+    """Entropy-bound acceptance and renoising, one block per batch row. entropy (B, C) float32; sampled,
+    noise, next_canvas (B, C) int64; accepted (B, C) uint8."""
+    k = "dg_accept_renoise"
+    _ndim(k, "entropy", entropy, 2)
+    B, C = entropy.shape
+    for name, a in (("sampled", sampled), ("noise", noise), ("accepted", accepted), ("next_canvas", next_canvas)):
+        _shape(k, name, a, (B, C))
+    smem = 9 * C
+    if smem > DEFAULT_SHARED_LIMIT:
+        raise LaunchError(f"{k}: canvas length {C} needs {smem} bytes of shared memory (> {DEFAULT_SHARED_LIMIT})")
+    return _launch(k, max(B, 1), const("DG_ACCEPT_THREADS"), (entropy, sampled, noise, C, bound, accepted, next_canvas),
+                   smem)
