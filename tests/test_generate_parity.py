@@ -83,6 +83,7 @@ def record_transformers(model, input_ids, attention_mask=None, seed=0, script=No
     """
     rec = Recording()
     B = input_ids.shape[0]
+    vocab, canvas_length = model.config.text_config.vocab_size, model.config.canvas_length
     randint, multinomial = torch.randint, torch.multinomial
     previous = [None]
 
@@ -95,8 +96,8 @@ def record_transformers(model, input_ids, attention_mask=None, seed=0, script=No
 
     def recording_multinomial(probs, num_samples, *args, **kw):
         out = multinomial(probs, num_samples, *args, **kw)
-        assert num_samples == 1 and probs.shape == (B * C, V)
-        rec.tape.append(("categorical", out.view(B, C).numpy().astype(np.int64)))
+        assert num_samples == 1 and probs.shape == (B * canvas_length, vocab)
+        rec.tape.append(("categorical", out.view(B, canvas_length).numpy().astype(np.int64)))
         previous[0] = "categorical"
         return out
 
