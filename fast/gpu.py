@@ -832,7 +832,10 @@ class _DeviceSampler:
                                   out.argmax, out.entropy, out.sampled, out.flags))
         _raise_for_flags(dev.to_host(out.flags), flat, C, what)
         if uniforms is None:  # any other draw source decides on the host, from the probabilities
-            sampled = self.draws.categorical(dev.to_host(self.buffer))
+            probs = dev.to_host(self.buffer)
+            frozen = np.setdiff1d(np.arange(B), live)
+            probs[frozen] = np.float32(1.0 / V)  # not recomputed; their draws are consumed and discarded
+            sampled = self.draws.categorical(probs)
             out.sampled = dev.to_device(np.ascontiguousarray(sampled[live].reshape(-1)))
         noise = self.draws.renoise_ids(B, C, V)
         accepted = dev.empty((live.shape[0], C), np.uint8)
