@@ -460,7 +460,7 @@ BAD_CHECKPOINTS = {
     "bidirectional all": (_text_config(use_bidirectional_attention="all"), ConfigError,
                           r"use_bidirectional_attention='all'"),
     "bad kv heads": (_text_config(num_key_value_heads=3), ConfigError, r"num_key_value_heads of layer 0 \(3\)"),
-    "untied lm_head": (_untied, ConfigError, r"tie_word_embeddings is false"),
+    "untied lm_head": (_untied, ConfigError, r"tie_word_embeddings=False is not supported"),
 }
 
 

@@ -129,11 +129,7 @@ def _read_config(path: str) -> tuple[dict[str, Any], ModelConfig]:
         raise ConfigError(f"{config_path}: {exc}") from exc
     except (TypeError, ValueError) as exc:  # e.g. a field of the wrong JSON type
         raise ConfigError(f"{config_path}: invalid value ({exc})") from exc
-    for where, section in (("", raw), ("text_config.", raw.get("text_config") or {})):
-        if section.get("tie_word_embeddings") is False:
-            raise ConfigError(f"{config_path}: {where}tie_word_embeddings is false; DiffusionGemma's output "
-                              "projection is the embedding matrix and untied heads are not supported")
-    return raw, config
+    return raw, config  # (ModelConfig also refuses untied embeddings)
 
 
 def _weight_files(path: str) -> dict[str, set[str] | None]:
