@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One-shot GPU check of the GPU fast path: the GPU test suite, then the benchmark against transformers.
+#
+# Run it on a fresh GPU machine, from the repository root, with nothing fetched from the network:
+#     bash benchmarks/gpu_check.sh [RESULTS_DIR]
+# RESULTS_DIR defaults to $OUT (set by the device tool), else ./gpu_results. It receives:
+#     environment.txt  nvidia-smi, python, package versions
+#     compile.txt      ptxas registers/spills of every kernel for this GPU's architecture (nvcc if present)
+#     gpu_tests.log    pytest -m gpu output (tests/test_gpu_equivalence.py + the host suites)
+#     bench_gpu.md     the benchmark table (benchmarks/bench_gpu.py), bench.log its output
+#     summary.txt      one line per stage with its exit status and duration
+# Needs: python3 with numpy, cupy (cuda12x or cuda13x), torch (CUDA), transformers >= 5.11, pytest,
+# hypothesis, safetensors, ml_dtypes, tokenizers, tqdm, jinja2, threadpoolctl, setuptools, cython. Wheels
+# for anything missing can be put in ./.whl/ (e.g. `pip download --no-deps ... -d .whl`): they are
+# installed from there with --no-index into a private folder. Budget: about 8 minutes in all (stages
+# are time-boxed: build 120 s, tests 240 s, benchmark 180 s).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS="${1:-${OUT:-$PWD/gpu_results}}"
+mkdir -p "$RESULTS"
+PY="${PYTHON:-python3}"
+SUMMARY="$RESULTS/summary.txt"
+: > "$SUMMARY"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+
+stage() {  # stage NAME TIMEOUT COMMAND...: run, time-box, log the exit status
+    local name=$1 limit=$2; shift 2
+    local t0; t0=$(date +%s)
+    timeout "$limit" "$@"
+    local rc=$?
+    echo "$name: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$SUMMARY"
+    return $rc
+}
+
+# 1. wheels carried in .whl/ (optional), into a private site folder
+if ls .whl/*.whl >/dev/null 2>&1; then
+    stage wheels 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/dg_site .whl/*.whl && export PYTHONPATH="/tmp/dg_site:${PYTHONPATH:-}"
+fi
+
+# 2. the project itself, editable, without network or build isolation (builds the CPU extension too);
+#    DG_SKIP_BUILD=1 skips this when the project is already installed
+[ "${DG_SKIP_BUILD:-0}" = 1 ] || stage build 120 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+    > "$RESULTS/build.log" 2>&1 || { tail -30 "$RESULTS/build.log"; echo "build failed: see build.log"; }
+
+{
+    nvidia-smi 2>&1
+    "$PY" --version
+    "$PY" -c "import numpy, cupy, torch, transformers; print('numpy', numpy.__version__, '| cupy', cupy.__version__, '| torch', torch.__version__, torch.version.cuda, '| transformers', transformers.__version__)" 2>&1
+    "$PY" -c "from diffusiongemma.fast import gpu; print(gpu.gpu_available())" 2>&1
+} > "$RESULTS/environment.txt"
+cat "$RESULTS/environment.txt"
+
+# 3. kernel compile report for this GPU's architecture
+ARCH=$("$PY" -c "import cupy; d=cupy.cuda.Device(0); print('sm_' + d.compute_capability)" 2>/dev/null || echo sm_90)
+stage compile 60 "$PY" -m diffusiongemma.fast.cuda_build --arch "$ARCH" > "$RESULTS/compile.txt" 2>&1
+
+# 4. the GPU test suite (and the host-side GPU suites, which are quick)
+stage tests 240 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_gpu_equivalence.py tests/test_gpu_host.py \
+    tests/test_gpu_launch.py 2>&1 | tee "$RESULTS/gpu_tests.log" | tail -25
+
+# 5. the benchmark against transformers (fp32 and bf16)
+stage bench 180 "$PY" benchmarks/bench_gpu.py --out "$RESULTS/bench_gpu.md" 2>&1 | tee "$RESULTS/bench.log" | tail -20
+
+cat "$SUMMARY"
