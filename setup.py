@@ -109,7 +109,8 @@ setup(
             "torch==2.13.0",
             "transformers==5.24.0",
         ],
-        "gpu": ["cupy-cuda12x>=13"],
+        "gpu": ["cupy-cuda12x>=13"],  # CUDA 12 drivers
+        "gpu-cuda13": ["cupy-cuda13x>=14"],  # CUDA 13 drivers
     },
     entry_points={
         "console_scripts": [
