@@ -3,6 +3,8 @@
     diffusiongemma generate "And God said"            generate with the shipped tiny model
     diffusiongemma generate --model DIR --chat "Hi"   any checkpoint (transformers or converted)
     diffusiongemma convert SRC DST                    same as diffusiongemma-convert
+    diffusiongemma trace --prompt "Hi" -o run.trace   record a golden trace (docs/TRACE_FORMAT.md)
+    diffusiongemma compare a.trace b.trace            first tensor at which two traces differ
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import sys
 import time
 
 import numpy as np
+
+from .trace_cmd import COMMANDS as TRACE_COMMANDS
+from .trace_cmd import add_commands as add_trace_commands
+from .trace_cmd import run_command as run_trace_command
 
 BACKENDS = ("reference", "cpu", "gpu")
 
@@ -61,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     conv = commands.add_parser("convert", help="convert a transformers checkpoint (see diffusiongemma-convert -h)")
     conv.add_argument("args", nargs=argparse.REMAINDER)
+    add_trace_commands(commands)  # trace, compare (trace_cmd.py)
     return parser
 
 
@@ -129,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         from diffusiongemma.weights_converter.cli import main as convert_main
 
         return convert_main(args.args)
+    if args.command in TRACE_COMMANDS:
+        return run_trace_command(args)
     try:
         return run_generate(args)
     except (ValueError, OSError, RuntimeError) as exc:  # ConfigError/CheckpointError/InputError are ValueErrors

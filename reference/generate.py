@@ -22,6 +22,8 @@ NaN logits raise ``SamplingError``; randomness comes from an explicit ``DrawSour
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import json
 import math
 import numbers
@@ -302,7 +304,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
              generation_config: GenerationConfig | None = None, *, random: DrawSource | int | None = None,
              denoiser: Denoiser | None = None, encoder: Encoder | None = None, cache: Any = None,
              decoder_input_ids: np.ndarray | None = None, self_conditioning_logits: np.ndarray | None = None,
-             callback: Any = None, progress: bool = True, **overrides: Any) -> GenerationResult:
+             callback: Any = None, progress: bool = True, trace: Any = None, **overrides: Any) -> GenerationResult:
     """Generate canvases of C tokens after ``input_ids`` by entropy-bound block diffusion.
 
     model: provides ``config.vocab_size`` (V), ``config.canvas_length`` (C), ``new_cache(B)``, and, unless
@@ -324,6 +326,9 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
         drawn and discarded, trap T14). self_conditioning_logits: (B, C, V) float32 for the first step of the
         first canvas only (every other canvas starts without self-conditioning, trap T11).
     callback: a ``GenerationCallback`` (or duck-typed object). progress: show tqdm bars on stderr.
+    trace: None, or a fresh ``trace.TraceRecorder`` that records the run (encoder K/V, per-step decoder
+        input, layer outputs, logits and sampler state, committed canvases, draws); call its ``save`` after.
+        The model's ``denoise`` receives it when it takes a ``trace`` argument (and no ``denoiser`` is given).
 
     Lengths (SPEC §8.1): with L0 = P + cache length, ``max_new_tokens`` becomes ``max_length - L0`` when
     ``max_length`` is set and ``max_new_tokens`` is left at 256; the run makes at most
@@ -353,6 +358,11 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     encode = encoder if encoder is not None else model.encode
     if cache is None:
         cache = model.new_cache(B)
+    if trace is not None:
+        trace.begin_run(model.config, config, ids, mask, draws=draws)
+        draws = trace.record_draws(draws)
+        if denoiser is None and "trace" in inspect.signature(model.denoise).parameters:
+            denoise = functools.partial(model.denoise, trace=trace)
     context_length = P + int(cache.length)  # transformers' cur_len
     n_canvases = math.ceil(_new_token_budget(config, context_length) / C)
     stopper = (StableAndConfident(config.stability_threshold, config.confidence_threshold)
@@ -372,13 +382,19 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
                     leave=False)
     try:
         for k in range(n_canvases):
+            if trace is not None:
+                trace.begin_encode(new_ids, new_mask)
             encode(_readonly(new_ids), cache, None if new_mask is None else _readonly(new_mask))
+            if trace is not None:
+                trace.end_encode(cache)
             initial = draws.canvas_ids(B, C, V)  # always drawn, even when a starting canvas is given
             canvas = start_canvas if (k == 0 and start_canvas is not None) else initial
             sc_logits = start_sc if k == 0 else None
             step_bar.reset(total=config.max_denoising_steps)
+            if trace is not None:
+                trace.begin_canvas(canvas)
             draft, steps = _denoise_canvas(k, canvas, sc_logits, cache, denoise, draws, stopper, config, ended,
-                                           forward_passes, callback, step_bar, V)
+                                           forward_passes, callback, step_bar, V, trace)
             steps_per_canvas.append(steps)
 
             reached_max_length = None
@@ -387,6 +403,8 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
             tokens, ended = finalize_canvas(draft, ended, config.eos_token_id, config.pad_token_id,
                                             reached_max_length)
             sequences = np.concatenate([sequences, tokens], axis=1)
+            if trace is not None:
+                trace.commit(tokens, ended)
             canvas_bar.update(1)
             _notify(callback, "on_canvas", CanvasInfo(k, _readonly(tokens), _readonly(ended.copy()), steps))
             if ended.all():
@@ -404,6 +422,8 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
         forward_passes=forward_passes,
         cache=cache,
     )
+    if trace is not None:
+        trace.end_run(sequences)
     _notify(callback, "on_end", result)
     return result
 
@@ -411,10 +431,11 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
 def _denoise_canvas(k: int, canvas: np.ndarray, sc_logits: np.ndarray | None, cache: Any, denoise: Denoiser,
                     draws: DrawSource, stopper: StableAndConfident | None, config: GenerationConfig,
                     ended: np.ndarray, forward_passes: np.ndarray, callback: Any, step_bar: Any,
-                    V: int) -> tuple[np.ndarray, int]:
+                    V: int, trace: Any = None) -> tuple[np.ndarray, int]:
     """Run the denoising steps of canvas ``k``; return its draft (B, C) int64 and the steps executed.
 
-    ``forward_passes`` (B,) is incremented in place. The letters refer to SPEC §8.2 step 3.
+    ``forward_passes`` (B,) is incremented in place. The letters refer to SPEC §8.2 step 3. ``trace``: a
+    ``TraceRecorder`` or None (see ``generate``).
     """
     B, C = canvas.shape
     N = config.max_denoising_steps
@@ -427,7 +448,11 @@ def _denoise_canvas(k: int, canvas: np.ndarray, sc_logits: np.ndarray | None, ca
     for step_index, step in enumerate(range(N, 0, -1)):
         forward_passes += ~(finished | ended)  # (a) counted before the pass, for live rows only
 
+        if trace is not None:
+            trace.begin_step(~finished)
         logits = _run_denoiser(denoise, canvas, cache, sc_logits, (B, C, V))  # (b) (B, C, V) float32
+        if trace is not None:
+            trace.logits(logits)
         check_logits(logits, "denoiser logits")
         temp = temperature(step, N, config.t_min, config.t_max) if config.uses_temperature else None
         processed = scale_logits(logits, temp)  # (c) a new array: it may be modified below
@@ -450,6 +475,9 @@ def _denoise_canvas(k: int, canvas: np.ndarray, sc_logits: np.ndarray | None, ca
             finished = finished | stopper(new_draft, step_entropies)  # (i)
 
         sc_logits, canvas, draft, entropies = processed, next_canvas, new_draft, step_entropies  # (j)
+        if trace is not None:
+            trace.end_step(temperature=temp, draft=draft, sampled=sampled, entropies=entropies, accepted=accepted,
+                           canvas=canvas, finished=finished)
         step_bar.update(1)
         _notify(callback, "on_step", StepInfo(
             canvas_index=k, step=step, step_index=step_index,

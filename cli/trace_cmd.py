@@ -1,0 +1,198 @@
+"""The ``trace`` and ``compare`` subcommands: record a golden trace of one generation run, and find the
+first tensor at which two traces part (file format: docs/TRACE_FORMAT.md).
+
+    diffusiongemma trace --prompt "And God said" --seed 0 -o ref.trace          the shipped tiny model
+    diffusiongemma trace --model DIR --prompt-ids 2,818,7 --steps 4 -o ref.trace
+    diffusiongemma trace --model DIR --replay other.trace -o ours.trace         same prompt, settings, draws
+    diffusiongemma compare ref.trace port.trace [--atol 2e-4] [--rtol 1e-4] [--summary]
+
+``compare`` exits with status 0 when every compared tensor agrees, 1 when a tolerance is exceeded (a
+divergence), and 2 when the files cannot be compared (unreadable, another model, other settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+COMMANDS = ("trace", "compare")
+TRACE_BACKENDS = ("reference", "cpu")  # the GPU path is not traced yet (its arrays live on the device)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected one or more non-negative token ids, got {text!r}")
+    return ids
+
+
+def add_commands(commands) -> None:
+    """Register ``trace`` and ``compare`` on the ``diffusiongemma`` subparsers."""
+    from diffusiongemma.reference.trace import DEFAULT_ATOL, DEFAULT_RTOL, DEFAULT_TOP_K
+
+    trace = commands.add_parser("trace", help="record a golden trace of one generation run",
+                                description="Record every intermediate of one generation run (encoder K/V, "
+                                            "per-step decoder input, layer outputs, logits, sampler state, "
+                                            "committed canvases, random draws) into a trace file.")
+    trace.add_argument("--model", default=None, help="checkpoint directory (default: the shipped tiny-kjv model)")
+    source = trace.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text (tokenized with the checkpoint's tokenizer, as `generate` does)")
+    source.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, e.g. 2,818,7")
+    source.add_argument("--replay", metavar="TRACE",
+                        help="rerun another trace's run: its prompt ids, generation settings and random draws")
+    trace.add_argument("-o", "--output", required=True, help="trace file to write (safetensors)")
+    trace.add_argument("--seed", type=int, default=None, help="seed of the draw source (Philox; default 0)")
+    trace.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                       help="tokens to generate (default: the checkpoint's generation_config.json)")
+    trace.add_argument("--steps", type=_positive_int, default=None, help="max denoising steps per canvas")
+    trace.add_argument("--layers", action=argparse.BooleanOptionalAction, default=None,
+                       help="record every decoder layer's output per step (default: only when one step's layer "
+                            "outputs fit in 16 MiB, i.e. small models)")
+    trace.add_argument("--logits", choices=("auto", "full", "topk"), default="auto",
+                       help="full logits, or top-k values/ids + log-sum-exp + entropy per position "
+                            "(auto: full up to a vocabulary of 8192)")
+    trace.add_argument("--top-k", type=_positive_int, default=DEFAULT_TOP_K, help="K of --logits topk")
+    trace.add_argument("--backend", choices=TRACE_BACKENDS, default="reference",
+                       help="reference (NumPy) or the compiled fast path (recorded around its generate)")
+    trace.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+    compare = commands.add_parser("compare", help="find the first tensor at which two traces differ",
+                                  description="Compare two traces tensor by tensor in run order. Exit status: 0 "
+                                              "all agree, 1 a tolerance is exceeded, 2 the files cannot be compared.")
+    compare.add_argument("a", help="first trace (the reference side: rtol scales with its values)")
+    compare.add_argument("b", help="second trace")
+    compare.add_argument("--atol", type=_tolerance, default=DEFAULT_ATOL,
+                         help=f"absolute tolerance on float tensors (default {DEFAULT_ATOL:g}: float32 noise of two "
+                              "implementations is ~1e-5..1e-4, semantic errors are ~1e-1)")
+    compare.add_argument("--rtol", type=_tolerance, default=DEFAULT_RTOL,
+                         help=f"relative tolerance, times |a| (default {DEFAULT_RTOL:g})")
+    compare.add_argument("--summary", action="store_true", help="print only the result, not the per-tensor table")
+
+
+def run_command(args) -> int:
+    """Run ``trace`` or ``compare``; errors are printed and give exit status 2."""
+    try:
+        return run_trace(args) if args.command == "trace" else run_compare(args)
+    except (ValueError, OSError, RuntimeError) as exc:  # TraceError, ConfigError, CheckpointError are ValueErrors
+        print(f"diffusiongemma {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run_compare(args) -> int:
+    from diffusiongemma.reference.trace import Trace, compare_traces, format_report
+
+    with Trace(args.a) as a, Trace(args.b) as b:
+        comparison = compare_traces(a, b, atol=args.atol, rtol=args.rtol)
+        print(format_report(comparison, table=not args.summary))
+    return 0 if comparison.ok else 1
+
+
+def run_trace(args) -> int:
+    from diffusiongemma.reference.draws import ReplayDraws
+    from diffusiongemma.reference.trace import TraceRecorder, layers_by_default, record_generate
+
+    from .checkpoint import default_model_dir, generate_function, load_model
+
+    path = args.model or default_model_dir()
+    model = load_model(path, args.backend)
+    if args.replay is not None:
+        ids, mask, settings, tape = _replayed_run(args, model.config)
+        random = ReplayDraws(tape)
+    else:
+        ids, mask = _prompt_ids(args, path), None
+        settings, random = _settings(args, path, model.config), (0 if args.seed is None else args.seed)
+    layers = layers_by_default(model.config, ids.shape[0]) if args.layers is None else args.layers
+    recorder = TraceRecorder(layers=layers, logits=args.logits, top_k=args.top_k,
+                             producer=f"diffusiongemma {args.backend}")
+    try:
+        result = record_generate(generate_function(args.backend), model, ids, recorder, attention_mask=mask,
+                                 generation_config=settings, random=random, progress=not args.no_progress)
+    except (ValueError, ArithmeticError, RuntimeError) as exc:
+        if recorder.entries:
+            recorder.save(args.output, error=f"{type(exc).__name__}: {exc}")
+            print(f"diffusiongemma trace: the run failed; the part recorded so far is in {args.output}",
+                  file=sys.stderr)
+        raise
+    recorder.save(args.output)
+    if isinstance(random, ReplayDraws) and random.remaining:
+        print(f"diffusiongemma trace: warning: {random.remaining} replayed draws were not used; this run took a "
+              "shorter path than the replayed one", file=sys.stderr)
+    size = os.path.getsize(args.output) / 2**20
+    print(f"wrote {args.output}: {len(recorder.entries)} tensors ({size:.1f} MiB), {len(result.steps_per_canvas)} "
+          f"canvas(es), steps per canvas {list(result.steps_per_canvas)}, layer outputs {'on' if layers else 'off'}, "
+          f"logits {recorder.logits_mode}", file=sys.stderr)
+    return 0
+
+
+def _prompt_ids(args, path: str):
+    import numpy as np
+
+    if args.prompt_ids is not None:
+        return np.array([args.prompt_ids], dtype=np.int64)
+    from .checkpoint import load_text_side
+
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty; give some text, or token ids with --prompt-ids")
+    ids = load_text_side(path).encode(args.prompt)
+    if not ids:
+        raise ValueError(f"the prompt {args.prompt!r} tokenizes to nothing")
+    return np.array([ids], dtype=np.int64)
+
+
+def _settings(args, path: str, model_config):
+    from diffusiongemma.reference.generate import GenerationConfig
+
+    try:
+        settings = GenerationConfig.from_pretrained(path)
+    except FileNotFoundError:
+        settings = GenerationConfig(eos_token_id=model_config.eos_token_id, pad_token_id=model_config.pad_token_id)
+    changes = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps}
+    return settings.replace(**{k: v for k, v in changes.items() if v is not None})
+
+
+def _replayed_run(args, model_config):
+    """Prompt, mask, settings and draw tape of the trace given to --replay."""
+    from diffusiongemma.reference.generate import GenerationConfig
+    from diffusiongemma.reference.trace import Trace, TraceError
+
+    given = [flag for flag, value in (("--seed", args.seed), ("--max-new-tokens", args.max_new_tokens),
+                                      ("--steps", args.steps)) if value is not None]
+    if given:
+        raise ValueError(f"--replay takes the prompt, settings and draws from the trace; drop {', '.join(given)}")
+    with Trace(args.replay) as other:
+        model = other.header["model"]
+        for key in ("vocab_size", "canvas_length", "hidden_size", "num_hidden_layers"):
+            if model[key] != getattr(model_config, key):
+                raise TraceError(f"{args.replay} was recorded with {key} = {model[key]}, but this model has "
+                                 f"{getattr(model_config, key)}")
+        tape = other.draw_tape()
+        if tape is None:
+            raise TraceError(f"{args.replay} holds no random draws (draws.* tensors), so its run cannot be replayed")
+        ids = other.get("prompt.input_ids")
+        mask = other.get("prompt.attention_mask") if "prompt.attention_mask" in other.entries else None
+        settings = GenerationConfig.from_dict(other.header.get("generation") or {})
+    return ids, mask, settings, tape
