@@ -849,6 +849,19 @@ def _check_same_run(a: Trace, b: Trace, out: Comparison) -> None:
         if trace.header.get("complete") is False:
             out.notes.append(f"{trace.path} is incomplete: its run stopped with an error "
                              f"({trace.header.get('error')}); the tensors it lacks show as missing")
+    tape_a, tape_b = a.draw_tape(), b.draw_tape()
+    if tape_a is not None and tape_b is not None:
+        n = next((n for n, ((ka, xa), (kb, xb)) in enumerate(zip(tape_a, tape_b))
+                  if ka != kb or xa.shape != xb.shape or not np.array_equal(xa, xb)), None)
+        if n is None and len(tape_a) == len(tape_b):
+            out.notes.append(f"both runs used the same {len(tape_a)} random draws")
+        elif n is None:
+            out.notes.append(f"the runs used the same random draws for {min(len(tape_a), len(tape_b))} draws, then "
+                             f"one made more ({len(tape_a)} in {a.path}, {len(tape_b)} in {b.path})")
+        else:
+            out.notes.append(f"the runs used different random draws from draw {n} on ({tape_a[n][0]} in {a.path}, "
+                             f"{tape_b[n][0]} in {b.path})")
+        return
     da, db = a.header.get("draws") or {}, b.header.get("draws") or {}
     if (da.get("source"), da.get("seed")) != (db.get("source"), db.get("seed")):
         out.notes.append(f"draw sources differ: {da.get('source')} (seed {da.get('seed')}) in {a.path}, "

@@ -125,6 +125,7 @@ def test_replaying_the_tape_reproduces_the_trace_exactly(model, baseline, tmp_pa
     comparison = compare(path, tmp_path / "replay.trace", atol=0.0, rtol=0.0)
     assert comparison.ok, format_report(comparison)
     assert max(row.max_abs for row in comparison.rows if row.max_abs is not None) == 0.0
+    assert any(note.startswith("both runs used the same") for note in comparison.notes)
 
 
 # ------------------------------------------------------------------------------------------------ divergence
@@ -160,7 +161,7 @@ def test_different_seeds_part_at_the_initial_canvas(baseline, model, tmp_path):
     record(model, tmp_path / "seed2.trace", seed=2)
     comparison = compare(baseline[0], tmp_path / "seed2.trace")
     assert comparison.first_divergence.name == "canvas0.initial"
-    assert any("draw sources differ" in note for note in comparison.notes)
+    assert any("different random draws from draw 0 on (canvas" in note for note in comparison.notes)
 
 
 def test_runs_of_different_length_show_the_missing_tensors(baseline, model, tmp_path):
