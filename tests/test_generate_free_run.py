@@ -142,3 +142,25 @@ def test_free_run_first_canvas_matches_transformers(tmp_path, B, seed, settings)
     rec, calls, result = free_run(hf, ours, prompt, seed, dict(settings, pad_token_id=0))
     notes = compare_first_canvas(rec, calls, result, prompt, settings, ours)
     print("exact first canvas" if not notes else "stopped at a near-tie: " + "; ".join(notes))
+
+
+def test_shipped_model_reproduces_transformers_token_for_token():
+    """The shipped tiny-kjv checkpoint, a real prompt, the checkpoint's own sampler settings: our model and
+    loop fed torch's recorded draws give transformers' exact output (sequences and tokens per forward)."""
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from diffusiongemma.checkpoint import default_model_dir, load_text_side
+    from diffusiongemma.reference.generate import GenerationConfig
+
+    path = default_model_dir()
+    hf = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    ours = Model.from_pretrained(path)
+    settings = GenerationConfig.from_pretrained(path).replace(max_new_tokens=64)
+    prompt = np.array([load_text_side(path).encode("And God said unto Moses")])
+    hf_kwargs = {k: v for k, v in settings.to_dict().items() if k != "sampler_config"}
+    rec = record_transformers(hf, prompt, seed=0, **hf_kwargs)
+    result = generate(ours, prompt, generation_config=settings, random=ReplayDraws(rec.tape), progress=False)
+    np.testing.assert_array_equal(result.sequences, rec.sequences)
+    np.testing.assert_array_equal(result.tokens_per_forward, rec.tokens_per_forward)
+    assert result.steps_per_canvas == rec.steps_per_canvas
