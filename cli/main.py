@@ -16,31 +16,12 @@ import time
 
 import numpy as np
 
+from .argtypes import non_negative_float, positive_int
 from .trace_cmd import COMMANDS as TRACE_COMMANDS
 from .trace_cmd import add_commands as add_trace_commands
 from .trace_cmd import run_command as run_trace_command
 
 BACKENDS = ("reference", "cpu", "gpu")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,12 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="checkpoint directory (default: the shipped tiny-kjv model)")
     gen.add_argument("--backend", choices=BACKENDS, default="reference",
                      help="reference (NumPy), cpu (compiled fast path), gpu (CuPy)")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=None, help="tokens to generate (whole canvases)")
-    gen.add_argument("--steps", type=_positive_int, default=None, help="max denoising steps per canvas")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=None, help="tokens to generate (whole canvases)")
+    gen.add_argument("--steps", type=positive_int, default=None, help="max denoising steps per canvas")
     gen.add_argument("--seed", type=int, default=0, help="seed of the draw source (Philox)")
-    gen.add_argument("--entropy-bound", type=_non_negative_float, default=None, help="acceptance entropy bound (nats)")
-    gen.add_argument("--t-min", type=_non_negative_float, default=None, help="temperature schedule minimum")
-    gen.add_argument("--t-max", type=_non_negative_float, default=None, help="temperature schedule maximum")
+    gen.add_argument("--entropy-bound", type=non_negative_float, default=None, help="acceptance entropy bound (nats)")
+    gen.add_argument("--t-min", type=non_negative_float, default=None, help="temperature schedule minimum")
+    gen.add_argument("--t-max", type=non_negative_float, default=None, help="temperature schedule maximum")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.add_argument("--view", choices=("auto", "live", "plain"), default="auto",

@@ -17,37 +17,9 @@ import os
 import sys
 
 COMMANDS = ("trace", "compare")
+from .argtypes import non_negative_float, positive_int, token_ids
+
 TRACE_BACKENDS = ("reference", "cpu")  # the GPU path is not traced yet (its arrays live on the device)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < float("inf"):  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def _token_ids(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"expected one or more non-negative token ids, got {text!r}")
-    return ids
 
 
 def add_commands(commands) -> None:
@@ -61,21 +33,21 @@ def add_commands(commands) -> None:
     trace.add_argument("--model", default=None, help="checkpoint directory (default: the shipped tiny-kjv model)")
     source = trace.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (tokenized with the checkpoint's tokenizer, as `generate` does)")
-    source.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, e.g. 2,818,7")
+    source.add_argument("--prompt-ids", type=token_ids, help="prompt token ids, e.g. 2,818,7")
     source.add_argument("--replay", metavar="TRACE",
                         help="rerun another trace's run: its prompt ids, generation settings and random draws")
     trace.add_argument("-o", "--output", required=True, help="trace file to write (safetensors)")
     trace.add_argument("--seed", type=int, default=None, help="seed of the draw source (Philox; default 0)")
-    trace.add_argument("--max-new-tokens", type=_positive_int, default=None,
+    trace.add_argument("--max-new-tokens", type=positive_int, default=None,
                        help="tokens to generate (default: the checkpoint's generation_config.json)")
-    trace.add_argument("--steps", type=_positive_int, default=None, help="max denoising steps per canvas")
+    trace.add_argument("--steps", type=positive_int, default=None, help="max denoising steps per canvas")
     trace.add_argument("--layers", action=argparse.BooleanOptionalAction, default=None,
                        help="record every decoder layer's output per step (default: only when one step's layer "
                             "outputs fit in 16 MiB, i.e. small models)")
     trace.add_argument("--logits", choices=("auto", "full", "topk"), default="auto",
                        help="full logits, or top-k values/ids + log-sum-exp + entropy per position "
                             "(auto: full up to a vocabulary of 8192)")
-    trace.add_argument("--top-k", type=_positive_int, default=DEFAULT_TOP_K, help="K of --logits topk")
+    trace.add_argument("--top-k", type=positive_int, default=DEFAULT_TOP_K, help="K of --logits topk")
     trace.add_argument("--backend", choices=TRACE_BACKENDS, default="reference",
                        help="reference (NumPy) or the compiled fast path (recorded around its generate)")
     trace.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -85,10 +57,10 @@ def add_commands(commands) -> None:
                                               "all agree, 1 a tolerance is exceeded, 2 the files cannot be compared.")
     compare.add_argument("a", help="first trace (the reference side: rtol scales with its values)")
     compare.add_argument("b", help="second trace")
-    compare.add_argument("--atol", type=_tolerance, default=DEFAULT_ATOL,
+    compare.add_argument("--atol", type=non_negative_float, default=DEFAULT_ATOL,
                          help=f"absolute tolerance on float tensors (default {DEFAULT_ATOL:g}: float32 noise of two "
                               "implementations is ~1e-5..1e-4, semantic errors are ~1e-1)")
-    compare.add_argument("--rtol", type=_tolerance, default=DEFAULT_RTOL,
+    compare.add_argument("--rtol", type=non_negative_float, default=DEFAULT_RTOL,
                          help=f"relative tolerance, times |a| (default {DEFAULT_RTOL:g})")
     compare.add_argument("--summary", action="store_true", help="print only the result, not the per-tensor table")
 

@@ -10,3 +10,7 @@ from .draws import DrawSource, RecordingDraws, ReplayDraws, ReplayError, SeededD
 from .errors import CheckpointError, ConfigError, InputError, SamplingError
 from .generate import CanvasInfo, GenerationCallback, GenerationConfig, GenerationResult, StepInfo, generate
 from .model import Model
+
+__all__ = ["ModelConfig", "RopeParameters", "DrawSource", "RecordingDraws", "ReplayDraws", "ReplayError",
+           "SeededDraws", "CheckpointError", "ConfigError", "InputError", "SamplingError", "CanvasInfo",
+           "GenerationCallback", "GenerationConfig", "GenerationResult", "StepInfo", "generate", "Model"]

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from .config import ModelConfig, RopeParameters
+from .config import RopeParameters
 
 _GELU_C = np.float32(math.sqrt(2.0 / math.pi))
 

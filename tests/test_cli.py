@@ -102,7 +102,7 @@ def test_malformed_model_directory(tmp_path, capsys):
 @pytest.mark.parametrize("args,message", [
     (["generate", "hi", "--backend", "tpu"], "invalid choice: 'tpu'"),
     (["generate", "hi", "--steps", "0"], "--steps: expected a positive integer, got 0"),
-    (["generate", "hi", "--t-min", "-1"], "--t-min: expected a number >= 0, got '-1'"),
+    (["generate", "hi", "--t-min", "-1"], "--t-min: expected a finite number >= 0, got '-1'"),
     (["generate", "hi", "--view", "fancy"], "invalid choice: 'fancy'"),
 ])
 def test_bad_option_values_are_rejected(capsys, args, message):
