@@ -414,14 +414,35 @@ SAMPLING_BLOCK = DG_BLOCK
 
 
 def max_threads() -> int:
-    """Threads an OpenMP parallel loop would use now (1 when compiled without OpenMP)."""
+    """Threads an OpenMP parallel loop may use now (1 when compiled without OpenMP)."""
     return dg_max_threads()
 
 
-cdef inline int _threads(Py_ssize_t work) noexcept nogil:
+# A parallel region is opened only for at least this much work (elements touched, weighted by a rough
+# per-element cost): forking and joining threads costs microseconds, and on a machine whose cores are
+# shared it can cost a scheduler time slice, which for the small calls of a tiny model dwarfs the work.
+cdef double _parallel_min_work = 262144.0
+
+
+def set_parallel_threshold(double work) -> float:
+    """Set the minimum work for a parallel region (0: always parallel); returns the previous value.
+
+    Results do not depend on it (work is split by rows and no reduction crosses rows); tests use it to
+    run the parallel and the serial paths on the same small inputs.
+    """
+    global _parallel_min_work
+    previous = _parallel_min_work
+    _parallel_min_work = work
+    return previous
+
+
+cdef inline int _threads(Py_ssize_t items, double cost_per_item) noexcept nogil:
+    """Threads for a loop of ``items`` independent rows costing ``cost_per_item`` each."""
+    if items <= 1 or <double>items * cost_per_item < _parallel_min_work:
+        return 1
     cdef int n = dg_max_threads()
-    if work < n:
-        n = <int>work
+    if items < n:
+        n = <int>items
     return n if n > 0 else 1
 
 
@@ -459,7 +480,7 @@ def rms_norm(const float[:, ::1] x, const float[::1] weight, float eps, float[:,
     cdef Py_ssize_t N = x.shape[0], D = x.shape[1], i
     cdef const float *w = _opt(weight)
     cdef float f
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 2 * D)):
         f = dg_rms_factor(&x[i, 0], D, eps)
         dg_scale_row(&x[i, 0], f, w, D, &out[i, 0])
 
@@ -474,7 +495,7 @@ def residual_norm_add(float[:, ::1] h, const float[:, ::1] y, const float[::1] w
     """
     cdef Py_ssize_t N = h.shape[0], D = h.shape[1], i
     cdef float f
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 2 * D)):
         f = dg_rms_factor(&y[i, 0], D, eps)
         dg_residual_row(&h[i, 0], &y[i, 0], f, &weight[0], scalar, D)
 
@@ -492,7 +513,7 @@ def feed_forward_residual(float[:, ::1] h, float[:, ::1] dense, const float[:, :
     """
     cdef Py_ssize_t N = h.shape[0], D = h.shape[1], i
     cdef float fa, fb, f
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 5 * D)):
         fa = dg_rms_factor(&dense[i, 0], D, eps)
         fb = dg_rms_factor(&moe[i, 0], D, eps)
         dg_add_normed_rows(&dense[i, 0], fa, &w_dense[0], &moe[i, 0], fb, &w_moe[0], D)
@@ -511,7 +532,7 @@ def gelu_gate(const float[:, ::1] gate_up, float[:, ::1] out):
     cdef Py_ssize_t N = out.shape[0], I = out.shape[1], i
     if gate_up.shape[1] != 2 * I or gate_up.shape[0] != N:
         raise ValueError(f"gate_up has shape {tuple(gate_up.shape)[:2]}, expected ({N}, {2 * I})")
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 20 * I)):
         dg_gelu_gate_row(&gate_up[i, 0], &gate_up[i, I], I, &out[i, 0])
 
 
@@ -523,7 +544,7 @@ def softcap(float[:, ::1] x, float cap):
     Replaces ``reference.primitives.softcap``.
     """
     cdef Py_ssize_t N = x.shape[0], V = x.shape[1], i
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 20 * V)):
         dg_softcap_row(&x[i, 0], cap, V)
 
 
@@ -537,7 +558,7 @@ def softmax(const float[:, ::1] x, float[:, ::1] out):
     """
     cdef Py_ssize_t N = x.shape[0], V = x.shape[1], i
     cdef float m, total
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 15 * V)):
         m = dg_max_row(&x[i, 0], V)
         total = <float>dg_exp_shift_row(&x[i, 0], m, V, &out[i, 0])
         dg_div_row(&out[i, 0], total, V)
@@ -557,7 +578,7 @@ def embed(const int64_t[::1] ids, const float[:, ::1] table, float scale, const 
     cdef Py_ssize_t N = ids.shape[0], H = table.shape[1], i, k
     cdef float f
     cdef bint has_add = add is not None
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 3 * H)):
         for k in range(H):
             out[i, k] = table[ids[i], k] * scale
         if has_add:
@@ -598,7 +619,7 @@ def heads(const float[:, :, ::1] proj, Py_ssize_t n_heads, Py_ssize_t n_kv, Py_s
     cdef float f
     cdef const float *src
     cdef float *dst
-    for item in prange(N * S, nogil=True, schedule="static", num_threads=_threads(N * S)):
+    for item in prange(N * S, nogil=True, schedule="static", num_threads=_threads(N * S, 8 * (n_heads + 2 * n_kv) * d)):
         n = item // S
         s = item % S
         for h in range(n_heads):
@@ -655,7 +676,7 @@ def attention(const float[:, :, :, ::1] q, const int64_t[::1] q_pos,
         raise ValueError(f"attention scratch too small: {tuple(scratch.shape)[:2]}, need (>=1, {QB * r * T})")
     if n_cache > 0 and (cache_k.shape[2] < n_cache or slot_pos.shape[0] < n_cache):
         raise ValueError("n_cache exceeds the cache storage")
-    cdef int nt = _threads(N * g * blocks)
+    cdef int nt = _threads(N * g * blocks, 4.0 * QB * r * T * d)
     if nt > scratch.shape[0]:
         nt = <int>scratch.shape[0]
     cdef Py_ssize_t item, n, j, blk, i0, nq, row, tid
@@ -708,7 +729,7 @@ def route(float[:, ::1] logits, const float[::1] per_expert_scale, int64_t[:, ::
     """
     cdef Py_ssize_t N = logits.shape[0], E = logits.shape[1], K = indices.shape[1], i, k, e, best
     cdef float m, total, bp, psum
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, (K + 15) * E)):
         m = dg_max_row(&logits[i, 0], E)
         total = <float>dg_exp_shift_row(&logits[i, 0], m, E, &logits[i, 0])
         dg_div_row(&logits[i, 0], total, E)
@@ -767,7 +788,7 @@ def group_by_expert(const int64_t[:, ::1] indices, int64_t[::1] offsets, int64_t
 def gather_rows(const float[:, ::1] src, const int64_t[::1] rows, float[:, ::1] out):
     """``out[i] = src[rows[i]]``: (N, H), (M,) -> (M, H)."""
     cdef Py_ssize_t M = rows.shape[0], H = src.shape[1], i, k
-    for i in prange(M, nogil=True, schedule="static", num_threads=_threads(M)):
+    for i in prange(M, nogil=True, schedule="static", num_threads=_threads(M, H)):
         for k in range(H):
             out[i, k] = src[rows[i], k]
 
@@ -784,7 +805,7 @@ def combine_experts(const float[:, ::1] expert_out, const int64_t[:, ::1] indice
     """
     cdef Py_ssize_t N = out.shape[0], H = out.shape[1], K = indices.shape[1], i, k, t, j, c
     cdef int64_t prev, e_t, e_j
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N)):
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 2 * K * H)):
         for c in range(H):
             out[i, c] = 0.0
         prev = -1
@@ -803,36 +824,40 @@ def combine_experts(const float[:, ::1] expert_out, const int64_t[:, ::1] indice
 # ============================================================================================ sampling
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def sample_rows(float[:, ::1] logits, const int64_t[::1] rows, float temperature, const double[::1] uniforms,
-                float[:, ::1] scratch, int64_t[::1] argmax, float[::1] entropy, int64_t[::1] sampled,
-                int[::1] flags):
-    """The fused per-step sampling pass over rows of soft-capped logits, probabilities written in place.
+def sample_rows(const float[:, ::1] logits, float[:, ::1] probs, const int64_t[::1] rows, float temperature,
+                const double[::1] uniforms, float[:, ::1] scratch, int64_t[::1] argmax, float[::1] entropy,
+                int64_t[::1] sampled, int[::1] flags):
+    """The fused per-step sampling pass over rows of soft-capped logits.
 
-    logits: (R_all, V) float32; only rows ``rows`` (R,) are touched. temperature: T > 0, or 0 for none.
+    logits: (R_all, V) float32, read; probs: (R_all, V) float32, written (it may be ``logits`` itself:
+    each row is consumed before it is overwritten). Only rows ``rows`` (R,) are touched.
+    temperature: T > 0, or 0 for none.
     For each processed row, with ẑ = logits / T (a float32 division, as ``sampling.scale_logits``):
       argmax[i]  first index of the maximum of ẑ (``sampling.argmax_tokens``),
       entropy[i] float32 entropy of softmax(ẑ) in nats (``sampling.softmax_and_entropy``), computed as
                  log S - A / S with S = sum e^(ẑ-m), A = sum e^(ẑ-m) (ẑ-m) accumulated in float64,
-      the row itself becomes p = float32(exp(ẑ - m)) / float32(S) (the probabilities, for sampling and
-                 for the next step's self-conditioning input),
+      probs[row] p = float32(exp(ẑ - m)) / float32(S) (the probabilities, for sampling and for the next
+                 step's self-conditioning input),
       sampled[i] (only if uniforms is not None) the inverse-CDF draw for uniforms[i] in [0, 1):
                  the first id whose cumulative probability (float64) exceeds u * total, total = sum of p,
                  else the last id of nonzero probability (``sampling.categorical_from_uniform``; cumulative
                  sums run block by block, differing from a strictly sequential float64 sum by < 1e-13
                  relative),
-      flags[i]   1 if ẑ holds NaN, 2 if it holds +inf, 4 if every entry is -inf; such a row is left
-                 unchanged and its other outputs are meaningless (the caller raises).
+      flags[i]   1 if ẑ holds NaN, 2 if it holds +inf, 4 if every entry is -inf; such a row's probs are
+                 not written and its other outputs are meaningless (the caller raises).
     Each row is read twice (statistics, then probabilities and the draw) whatever V is.
     scratch: (threads, SAMPLING_BLOCK) float32.
     """
     cdef Py_ssize_t R = rows.shape[0], V = logits.shape[1], i, row, tid
+    if probs.shape[0] != logits.shape[0] or probs.shape[1] != V:
+        raise ValueError("probs must have the shape of logits")
     cdef bint scaled = temperature > 0
     cdef bint draw = uniforms is not None
     if draw and uniforms.shape[0] != R:
         raise ValueError(f"{uniforms.shape[0]} uniforms for {R} rows")
     if scratch.shape[1] < SAMPLING_BLOCK:
         raise ValueError("sampling scratch too small")
-    cdef int nt = _threads(R)
+    cdef int nt = _threads(R, 40.0 * V)
     if nt > scratch.shape[0]:
         nt = <int>scratch.shape[0]
     cdef float m, total
@@ -842,6 +867,13 @@ def sample_rows(float[:, ::1] logits, const int64_t[::1] rows, float temperature
     for i in prange(R, nogil=True, schedule="dynamic", num_threads=nt):
         tid = threadid()
         row = rows[i]
+        m = 0.0      # assigned here so that prange makes these per-thread (the kernels write them
+        arg = 0      # through pointers, which Cython's privatisation analysis does not see)
+        S = 0.0
+        A = 0.0
+        found = -1
+        below = 0.0
+        at = 0.0
         dg_row_stats(&logits[row, 0], V, temperature, scaled, &scratch[tid, 0], &m, &arg, &S, &A, &fl)
         if fl == 0 and m == -INFINITY:
             fl = 4
@@ -854,11 +886,11 @@ def sample_rows(float[:, ::1] logits, const int64_t[::1] rows, float temperature
         target = -1.0
         if draw:
             target = uniforms[i] * (S / <double>total)   # estimate of u * sum(p); confirmed below
-        psum = dg_row_probs(&logits[row, 0], V, temperature, scaled, m, total, target, &logits[row, 0],
+        psum = dg_row_probs(&logits[row, 0], V, temperature, scaled, m, total, target, &probs[row, 0],
                             &found, &below, &at)
         if draw:
             target = uniforms[i] * psum
             if found < 0 or not (below <= target and target < at):
-                found = dg_cdf_search(&logits[row, 0], V, target)
+                found = dg_cdf_search(&probs[row, 0], V, target)
             sampled[i] = found
 
