@@ -98,6 +98,7 @@ class TrainConfig:
     max_steps: int = 0  # 0 = no step limit (only the time limit)
     seed: int = 0
     threads: int = 1  # torch.set_num_threads
+    init_from: str = ""  # continue from this checkpoint's weights (fresh optimizer and schedule); "" = scratch
 
 
 def hf_config(spec: ModelSpec):
@@ -398,7 +399,13 @@ def train(cfg: TrainConfig, spec: ModelSpec) -> None:
     if tokenizer.get_vocab_size() != spec.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} ids, model {spec.vocab_size}")
     plain, spaced = load_verses(cfg.data_dir, "train", tokenizer)
-    model = build_model(spec, cfg.seed)
+    if cfg.init_from:
+        from transformers import DiffusionGemmaForBlockDiffusion
+
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(cfg.init_from, dtype=torch.float32,
+                                                                attn_implementation="eager")
+    else:
+        model = build_model(spec, cfg.seed)
     model.train()
     n_params = sum(p.numel() for n, p in model.named_parameters() if "vision" not in n)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
