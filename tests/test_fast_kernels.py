@@ -273,20 +273,36 @@ def test_expert_dispatch_matches_reference(case):
 
 
 def test_parallel_and_serial_paths_agree():
-    """Forcing every kernel parallel (threshold 0) gives bit-identical results to the serial path."""
+    """With two OpenMP threads and every kernel forced parallel (threshold 0), results are bit-identical
+    to the serial path: work is split by rows and no reduction crosses rows."""
+    from threadpoolctl import threadpool_limits
+
     x, w = f32(64, 33), f32(33) + 1
     z = f32(40, 300, scale=5.0)
+    B, S, g, r, d = 2, 9, 2, 2, 8
+    q, kv = f32(B, S, g * r, d), f32(B, g, S, d)
+    qpos = np.arange(S, dtype=np.int64)
     outs = []
     for threshold in (1e30, 0.0):
         previous = K.set_parallel_threshold(threshold)
         try:
-            a = np.empty_like(x)
-            K.rms_norm(x, w, EPS, a)
-            p = np.empty_like(z)
-            K.softmax(z, p)
-            c = z.copy()
-            K.softcap(c, np.float32(30))
-            outs.append((a, p, c))
+            with threadpool_limits(limits=2, user_api="openmp"):
+                a = np.empty_like(x)
+                K.rms_norm(x, w, EPS, a)
+                p = np.empty_like(z)
+                K.softmax(z, p)
+                c = z.copy()
+                K.softcap(c, np.float32(30))
+                att = np.empty((B, S, g * r * d), np.float32)
+                scratch = np.empty((2, K.ATTENTION_QUERY_BLOCK * r * S), np.float32)
+                empty = np.zeros((B, g, 0, d), np.float32)
+                K.attention(q, qpos, empty, empty, np.arange(B, dtype=np.int64), 0, qpos[:0],
+                            np.ones((B, 0), np.uint8), kv, kv, qpos, np.ones((B, S), np.uint8), 0, True, scratch, att)
+                probs, draft, H, sampled, flags = (np.empty_like(z), np.empty(40, np.int64), np.empty(40, np.float32),
+                                                   np.empty(40, np.int64), np.zeros(40, np.intc))
+                K.sample_rows(z, probs, np.arange(40, dtype=np.int64), 0.7, np.linspace(0, 0.99, 40),
+                              np.empty((2, K.SAMPLING_BLOCK), np.float32), draft, H, sampled, flags)
+                outs.append((a, p, c, att, probs, draft, H, sampled))
         finally:
             K.set_parallel_threshold(previous)
     for serial, parallel in zip(*outs):
