@@ -179,16 +179,32 @@ cdef extern from *:
         for (Py_ssize_t i = 0; i < n; i++) x[i] = cap * dg_tanhf(x[i] / cap);
     }
 
+    /* maximum of x (NaN entries are ignored; -inf for an empty or all -inf row). Eight running maxima
+       kept in one GCC vector register, selected with a compare mask (a plain scalar loop elsewhere). */
+    #if defined(__GNUC__)
+    typedef float dg_v8f __attribute__((vector_size(32)));
+    typedef int dg_v8i __attribute__((vector_size(32)));
     DG_CLONES static float dg_max_row(const float *x, Py_ssize_t n) {
-        float m[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        dg_v8f m = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
         Py_ssize_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            for (int l = 0; l < 8; l++) m[l] = x[i + l] > m[l] ? x[i + l] : m[l];
+        for (; i + 8 <= n; i += 8) {
+            dg_v8f v;
+            memcpy(&v, x + i, sizeof v);
+            dg_v8i greater = v > m;
+            m = (dg_v8f)((greater & (dg_v8i)v) | (~greater & (dg_v8i)m));
+        }
         float best = -INFINITY;
         for (int l = 0; l < 8; l++) best = m[l] > best ? m[l] : best;
         for (; i < n; i++) best = x[i] > best ? x[i] : best;
         return best;
     }
+    #else
+    static float dg_max_row(const float *x, Py_ssize_t n) {
+        float best = -INFINITY;
+        for (Py_ssize_t i = 0; i < n; i++) best = x[i] > best ? x[i] : best;
+        return best;
+    }
+    #endif
 
     /* out = exp(x - shift); returns the float64 sum of out */
     DG_CLONES static double dg_exp_shift_row(const float *x, float shift, Py_ssize_t n, float *out) {
@@ -215,75 +231,146 @@ cdef extern from *:
        batch row: first n_cache slots of the cache (slot t holds position slot_pos[t], -1 = empty,
        realness creal[position]), then n_new fresh keys (positions new_pos, realness nreal).
        q: query i, head h at q + i*q_stride + h*d. out likewise at out + i*out_stride + h*d.
-       Key rows are read once per block and serve all nq*r (query, head) pairs. */
+       The block's keys are transposed into kt (d x T8, T8 = T rounded up to 8, zero padded) so that
+       scores are computed as 4-row x 8-key register tiles (score += q[k] * kt[k][t..t+7]); the weighted
+       sum of values uses 4-row x 8-dim tiles over the keys. Every key and value row is read once per
+       block and serves all nq*r (query, head) rows. Each score and each output element is a sum in
+       ascending order of k (resp. t), whatever the tiling. Scratch: (nq*r + d) * T8 floats. */
+    #define DG_TILE_ROWS 4
+    #if defined(__GNUC__)
+    static inline dg_v8f dg_load8(const float *p) { dg_v8f v; memcpy(&v, p, sizeof v); return v; }
+    static inline void dg_store8(float *p, dg_v8f v) { memcpy(p, &v, sizeof v); }
+    #endif
+
+    static inline const float *dg_value_row(const float *cv, Py_ssize_t ck_stride, Py_ssize_t n_cache,
+                                            const float *nv, Py_ssize_t nk_stride, Py_ssize_t t) {
+        return t < n_cache ? cv + t * ck_stride : nv + (t - n_cache) * nk_stride;
+    }
+
     DG_CLONES static void dg_attend_block(
             const float *q, Py_ssize_t q_stride, int r, Py_ssize_t d, int nq, const int64_t *qpos,
             const float *ck, const float *cv, Py_ssize_t ck_stride, Py_ssize_t n_cache,
             const int64_t *slot_pos, const uint8_t *creal,
             const float *nk, const float *nv, Py_ssize_t nk_stride, Py_ssize_t n_new,
             const int64_t *new_pos, const uint8_t *nreal,
-            int64_t window, int causal, float *scores, float *out, Py_ssize_t out_stride) {
-        Py_ssize_t T = n_cache + n_new;
+            int64_t window, int causal, float *scratch, float *out, Py_ssize_t out_stride) {
+        Py_ssize_t T = n_cache + n_new, T8 = (T + 7) / 8 * 8;
         int rows = nq * r;
+        float *kt = scratch;                   /* (d, T8) transposed keys */
+        float *scores = scratch + d * T8;      /* (rows, T8) */
+        const float *qrow[DG_TILE_ROWS];
+        float *orow[DG_TILE_ROWS];
+        for (Py_ssize_t k = 0; k < d; k++)
+            for (Py_ssize_t t = T; t < T8; t++) kt[k * T8 + t] = 0.0f;
         for (Py_ssize_t t = 0; t < T; t++) {
-            int64_t pos; int real; const float *key;
-            if (t < n_cache) { pos = slot_pos[t]; real = pos >= 0 && creal[pos]; key = ck + t * ck_stride; }
-            else { pos = new_pos[t - n_cache]; real = nreal[t - n_cache]; key = nk + (t - n_cache) * nk_stride; }
-            for (int i = 0; i < nq; i++) {
-                int vis = real && (!causal || pos <= qpos[i]) && (window <= 0 || pos > qpos[i] - window);
-                for (int h = 0; h < r; h++)
-                    scores[(Py_ssize_t)(i * r + h) * T + t] = vis ? dg_dot(q + i * q_stride + h * d, key, d) : -INFINITY;
+            const float *key = t < n_cache ? ck + t * ck_stride : nk + (t - n_cache) * nk_stride;
+            for (Py_ssize_t k = 0; k < d; k++) kt[k * T8 + t] = key[k];
+        }
+        /* scores = q . k, tiles of DG_TILE_ROWS rows x 8 keys */
+        for (int r0 = 0; r0 < rows; r0 += DG_TILE_ROWS) {
+            int nr = rows - r0 < DG_TILE_ROWS ? rows - r0 : DG_TILE_ROWS;
+            for (int j = 0; j < DG_TILE_ROWS; j++) {
+                int row = r0 + (j < nr ? j : 0);
+                qrow[j] = q + (row / r) * q_stride + (row % r) * d;
+            }
+            for (Py_ssize_t t0 = 0; t0 < T8; t0 += 8) {
+    #if defined(__GNUC__)
+                dg_v8f acc[DG_TILE_ROWS] = {{0}};
+                for (Py_ssize_t k = 0; k < d; k++) {
+                    dg_v8f kv = dg_load8(kt + k * T8 + t0);
+                    for (int j = 0; j < DG_TILE_ROWS; j++) acc[j] += qrow[j][k] * kv;
+                }
+                for (int j = 0; j < nr; j++) dg_store8(scores + (Py_ssize_t)(r0 + j) * T8 + t0, acc[j]);
+    #else
+                for (int j = 0; j < nr; j++)
+                    for (int l = 0; l < 8; l++) {
+                        float a = 0.0f;
+                        for (Py_ssize_t k = 0; k < d; k++) a += qrow[j][k] * kt[k * T8 + t0 + l];
+                        scores[(Py_ssize_t)(r0 + j) * T8 + t0 + l] = a;
+                    }
+    #endif
             }
         }
-        for (int row = 0; row < rows; row++) {
-            float *s = scores + (Py_ssize_t)row * T;
+        for (Py_ssize_t t = 0; t < T; t++) {      /* visibility: hidden keys get -inf */
+            int64_t pos; int real;
+            if (t < n_cache) { pos = slot_pos[t]; real = pos >= 0 && creal[pos]; }
+            else { pos = new_pos[t - n_cache]; real = nreal[t - n_cache]; }
+            for (int i = 0; i < nq; i++) {
+                int vis = real && (!causal || pos <= qpos[i]) && (window <= 0 || pos > qpos[i] - window);
+                if (!vis)
+                    for (int h = 0; h < r; h++) scores[(Py_ssize_t)(i * r + h) * T8 + t] = -INFINITY;
+            }
+        }
+        for (int row = 0; row < rows; row++) {    /* float32 softmax per row, as the reference */
+            float *s = scores + (Py_ssize_t)row * T8;
             float m = dg_max_row(s, T);
             if (m == -INFINITY) {                 /* no visible key: zero weights (reference: zero output) */
                 for (Py_ssize_t t = 0; t < T; t++) s[t] = 0.0f;
                 continue;
             }
             float total = (float)dg_exp_shift_row(s, m, T, s);
-            dg_div_row(s, total, T);
+            for (Py_ssize_t t = 0; t < T; t++) s[t] = s[t] / total;
         }
-        for (int i = 0; i < nq; i++)
-            for (int h = 0; h < r; h++) {
-                float *o = out + i * out_stride + h * d;
-                for (Py_ssize_t k = 0; k < d; k++) o[k] = 0.0f;
+        /* out = sum_t p[t] v[t], tiles of DG_TILE_ROWS rows x 8 dims, then a scalar tail of dims */
+        for (int r0 = 0; r0 < rows; r0 += DG_TILE_ROWS) {
+            int nr = rows - r0 < DG_TILE_ROWS ? rows - r0 : DG_TILE_ROWS;
+            const float *prow[DG_TILE_ROWS];
+            for (int j = 0; j < DG_TILE_ROWS; j++) {
+                int row = r0 + (j < nr ? j : 0);
+                prow[j] = scores + (Py_ssize_t)row * T8;
+                orow[j] = out + (row / r) * out_stride + (row % r) * d;
             }
-        for (Py_ssize_t t = 0; t < T; t++) {
-            const float *val = t < n_cache ? cv + t * ck_stride : nv + (t - n_cache) * nk_stride;
-            for (int i = 0; i < nq; i++)
-                for (int h = 0; h < r; h++) {
-                    float p = scores[(Py_ssize_t)(i * r + h) * T + t];
-                    if (p != 0.0f) dg_axpy(out + i * out_stride + h * d, p, val, d);
+            Py_ssize_t k0 = 0;
+    #if defined(__GNUC__)
+            for (; k0 + 8 <= d; k0 += 8) {
+                dg_v8f acc[DG_TILE_ROWS] = {{0}};
+                for (Py_ssize_t t = 0; t < T; t++) {
+                    dg_v8f vv = dg_load8(dg_value_row(cv, ck_stride, n_cache, nv, nk_stride, t) + k0);
+                    for (int j = 0; j < DG_TILE_ROWS; j++) acc[j] += prow[j][t] * vv;
+                }
+                for (int j = 0; j < nr; j++) dg_store8(orow[j] + k0, acc[j]);
+            }
+    #endif
+            for (; k0 < d; k0++)
+                for (int j = 0; j < nr; j++) {
+                    float a = 0.0f;
+                    for (Py_ssize_t t = 0; t < T; t++)
+                        a += prow[j][t] * dg_value_row(cv, ck_stride, n_cache, nv, nk_stride, t)[k0];
+                    orow[j][k0] = a;
                 }
         }
     }
 
     /* ---------------------------------------------------------------------------------- sampling
-       Pass 1 over one row of logits z (V entries), processed logits zh = z / temp (temp > 0) or z:
-       maximum m, first argmax, S = sum exp(zh - m), A = sum exp(zh - m) * (zh - m) (both float64; the
-       running maximum is raised block by block and the sums rescaled), and flags: 1 NaN, 2 +inf.
-       Blocks are small enough to stay in L1, where zh is kept between the max and the exp loops. */
+       Two passes over one row of V logits z; zh = z / temp (a float32 division) or z when unscaled.
+       The row is processed in blocks of DG_BLOCK entries, small enough to stay in L1 between loops.
+
+       Pass 1 writes e = exp(zh - m_b) into out (which may be z itself), where m_b is the running maximum
+       when block b was reached (kept in mb[b]), and returns the final maximum m, its first index, and
+       S = sum exp(zh - m), A = sum exp(zh - m) * (zh - m) in float64 (the sums are rescaled whenever the
+       running maximum rises). Flags: 1 zh holds NaN, 2 zh holds +inf, 4 zh is all -inf, 8 z holds +inf,
+       16 z is all -inf; a flagged row's outputs are meaningless. */
     #define DG_BLOCK 2048
-    DG_CLONES static void dg_row_stats(const float *z, Py_ssize_t V, float temp, int scaled, float *buf,
-                                       float *m_out, int64_t *arg_out, double *S_out, double *A_out,
-                                       int *flags_out) {
-        float m = -INFINITY; int64_t arg = 0; double S = 0.0, A = 0.0; int flags = 0;
-        for (Py_ssize_t b0 = 0; b0 < V; b0 += DG_BLOCK) {
+    DG_CLONES static void dg_row_pass1(const float *z, Py_ssize_t V, float temp, int scaled, float *out, float *mb,
+                                       float *m_out, int64_t *arg_out, double *S_out, double *A_out, int *flags_out) {
+        float m = -INFINITY; int64_t arg = 0; double S = 0.0, A = 0.0; int flags = 0, raw_finite_seen = 0;
+        for (Py_ssize_t b0 = 0, blk = 0; b0 < V; b0 += DG_BLOCK, blk++) {
             Py_ssize_t n = V - b0 < DG_BLOCK ? V - b0 : DG_BLOCK;
             const float *zb = z + b0;
-            if (scaled) { for (Py_ssize_t i = 0; i < n; i++) buf[i] = zb[i] / temp; }
-            else        { for (Py_ssize_t i = 0; i < n; i++) buf[i] = zb[i]; }
-            int bad = 0;
-            for (Py_ssize_t i = 0; i < n; i++) bad |= (buf[i] != buf[i]) | (buf[i] == INFINITY) << 1;
-            flags |= bad;
-            if (bad) continue;
-            float bm = dg_max_row(buf, n);
-            if (bm == -INFINITY) continue;        /* all -inf: contributes nothing */
+            float *ob = out + b0;
+            int raw = 0, bad = 0;
+            for (Py_ssize_t i = 0; i < n; i++) raw |= (zb[i] == INFINITY) | (zb[i] != -INFINITY) << 1;
+            if (scaled) { for (Py_ssize_t i = 0; i < n; i++) ob[i] = zb[i] / temp; }
+            else if (ob != zb) { for (Py_ssize_t i = 0; i < n; i++) ob[i] = zb[i]; }
+            for (Py_ssize_t i = 0; i < n; i++) bad |= (ob[i] != ob[i]) | (ob[i] == INFINITY) << 1;
+            flags |= bad | (raw & 1) << 3;
+            raw_finite_seen |= raw >> 1;
+            mb[blk] = m;
+            if (flags & 3) continue;
+            float bm = dg_max_row(ob, n);
             if (bm > m) {
                 Py_ssize_t first = 0;
-                while (buf[first] != bm) first++;
+                while (ob[first] != bm) first++;
                 arg = b0 + first;
                 if (S > 0.0) {
                     double shift = (double)m - (double)bm;          /* < 0 */
@@ -292,55 +379,65 @@ cdef extern from *:
                     S = c * S;
                 }
                 m = bm;
+                mb[blk] = m;
             }
-            double sacc[4] = {0, 0, 0, 0}, aacc[4] = {0, 0, 0, 0};
+            if (m == -INFINITY) {                     /* nothing finite yet: every e is 0 */
+                for (Py_ssize_t i = 0; i < n; i++) ob[i] = 0.0f;
+                continue;
+            }
+            double sacc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, aacc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             Py_ssize_t i = 0;
-            for (; i + 4 <= n; i += 4)
-                for (int l = 0; l < 4; l++) {
-                    float d = buf[i + l] - m;
+            for (; i + 8 <= n; i += 8)
+                for (int l = 0; l < 8; l++) {
+                    float d = ob[i + l] - m;
                     float e = dg_expf(d);
+                    float dd = e > 0.0f ? d : 0.0f;    /* -inf entries contribute 0, not 0 * -inf */
+                    ob[i + l] = e;
                     sacc[l] += (double)e;
-                    aacc[l] += e > 0.0f ? (double)e * (double)d : 0.0;
+                    aacc[l] += (double)e * (double)dd;
                 }
             for (; i < n; i++) {
-                float d = buf[i] - m;
+                float d = ob[i] - m;
                 float e = dg_expf(d);
+                float dd = e > 0.0f ? d : 0.0f;
+                ob[i] = e;
                 sacc[0] += (double)e;
-                aacc[0] += e > 0.0f ? (double)e * (double)d : 0.0;
+                aacc[0] += (double)e * (double)dd;
             }
-            S += ((sacc[0] + sacc[2]) + (sacc[1] + sacc[3]));
-            A += ((aacc[0] + aacc[2]) + (aacc[1] + aacc[3]));
+            S += (((sacc[0] + sacc[4]) + (sacc[1] + sacc[5])) + ((sacc[2] + sacc[6]) + (sacc[3] + sacc[7])));
+            A += (((aacc[0] + aacc[4]) + (aacc[1] + aacc[5])) + ((aacc[2] + aacc[6]) + (aacc[3] + aacc[7])));
         }
+        if (!(flags & 3) && m == -INFINITY) flags |= 4;
+        if (!raw_finite_seen) flags |= 16;
         *m_out = m; *arg_out = arg; *S_out = S; *A_out = A; *flags_out = flags;
     }
 
-    /* Pass 2: write p = exp(zh - m) / total into out (may alias z) and return the float64 sum of the
-       written float32 probabilities, accumulated block by block (lanes within a block). When
-       draw_target >= 0, also find the inverse-CDF index for that target (first v whose cumulative
-       probability exceeds it); *found = -1 if none. *below / *at receive the cumulative sums just
-       before and at the found index, so that the caller can confirm the choice against the final
-       total. */
-    DG_CLONES static double dg_row_probs(const float *z, Py_ssize_t V, float temp, int scaled, float m,
-                                         float total, double draw_target, float *out,
-                                         int64_t *found, double *below, double *at) {
+    /* Pass 2: p = e * exp(mb[b] - m) / total in place in out (the factor is exactly 1 for blocks reached
+       after the maximum), returning the float64 sum of the written float32 probabilities (lanes within
+       a block, blocks in order). When draw_target >= 0, also find the inverse-CDF index for that target
+       (first v whose cumulative probability exceeds it); *found = -1 if none. *below / *at receive the
+       cumulative sums just before and at the found index, so that the caller can confirm the choice
+       against the final total. */
+    DG_CLONES static double dg_row_pass2(float *out, Py_ssize_t V, const float *mb, float m, float total,
+                                         double draw_target, int64_t *found, double *below, double *at) {
         double run = 0.0;
         *found = -1;
-        for (Py_ssize_t b0 = 0; b0 < V; b0 += DG_BLOCK) {
+        for (Py_ssize_t b0 = 0, blk = 0; b0 < V; b0 += DG_BLOCK, blk++) {
             Py_ssize_t n = V - b0 < DG_BLOCK ? V - b0 : DG_BLOCK;
-            const float *zb = z + b0;
             float *ob = out + b0;
-            double acc[4] = {0, 0, 0, 0};
+            double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             Py_ssize_t i = 0;
-            if (scaled) {
-                for (; i + 4 <= n; i += 4)
-                    for (int l = 0; l < 4; l++) { float p = dg_expf(zb[i + l] / temp - m) / total; ob[i + l] = p; acc[l] += (double)p; }
-                for (; i < n; i++) { float p = dg_expf(zb[i] / temp - m) / total; ob[i] = p; acc[0] += (double)p; }
+            if (mb[blk] == m) {
+                for (; i + 8 <= n; i += 8)
+                    for (int l = 0; l < 8; l++) { float p = ob[i + l] / total; ob[i + l] = p; acc[l] += (double)p; }
+                for (; i < n; i++) { float p = ob[i] / total; ob[i] = p; acc[0] += (double)p; }
             } else {
-                for (; i + 4 <= n; i += 4)
-                    for (int l = 0; l < 4; l++) { float p = dg_expf(zb[i + l] - m) / total; ob[i + l] = p; acc[l] += (double)p; }
-                for (; i < n; i++) { float p = dg_expf(zb[i] - m) / total; ob[i] = p; acc[0] += (double)p; }
+                float c = mb[blk] == -INFINITY ? 0.0f : dg_expf(mb[blk] - m);
+                for (; i + 8 <= n; i += 8)
+                    for (int l = 0; l < 8; l++) { float p = (ob[i + l] * c) / total; ob[i + l] = p; acc[l] += (double)p; }
+                for (; i < n; i++) { float p = (ob[i] * c) / total; ob[i] = p; acc[0] += (double)p; }
             }
-            double bsum = ((acc[0] + acc[2]) + (acc[1] + acc[3]));
+            double bsum = (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])));
             if (draw_target >= 0.0 && *found < 0 && run + bsum > draw_target) {
                 double c = run;
                 for (Py_ssize_t k = 0; k < n; k++) {
@@ -360,12 +457,12 @@ cdef extern from *:
         double c = 0.0;
         for (Py_ssize_t b0 = 0; b0 < V; b0 += DG_BLOCK) {
             Py_ssize_t n = V - b0 < DG_BLOCK ? V - b0 : DG_BLOCK;
-            double acc[4] = {0, 0, 0, 0};
+            double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             Py_ssize_t i = 0;
-            for (; i + 4 <= n; i += 4)
-                for (int l = 0; l < 4; l++) acc[l] += (double)p[b0 + i + l];
+            for (; i + 8 <= n; i += 8)
+                for (int l = 0; l < 8; l++) acc[l] += (double)p[b0 + i + l];
             for (; i < n; i++) acc[0] += (double)p[b0 + i];
-            double bsum = ((acc[0] + acc[2]) + (acc[1] + acc[3]));
+            double bsum = (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])));
             if (c + bsum > target) {
                 double cc = c;
                 for (Py_ssize_t k = 0; k < n; k++) {
@@ -403,16 +500,26 @@ cdef extern from *:
                          const int64_t *new_pos, const uint8_t *nreal,
                          int64_t window, int causal, float *scores, float *out, Py_ssize_t out_stride) nogil
     int DG_BLOCK
-    void dg_row_stats(const float *z, Py_ssize_t V, float temp, int scaled, float *buf, float *m_out,
+    void dg_row_pass1(const float *z, Py_ssize_t V, float temp, int scaled, float *out, float *mb, float *m_out,
                       int64_t *arg_out, double *S_out, double *A_out, int *flags_out) nogil
-    double dg_row_probs(const float *z, Py_ssize_t V, float temp, int scaled, float m, float total,
-                        double draw_target, float *out, int64_t *found, double *below, double *at) nogil
+    double dg_row_pass2(float *out, Py_ssize_t V, const float *mb, float m, float total, double draw_target,
+                        int64_t *found, double *below, double *at) nogil
     int64_t dg_cdf_search(const float *p, Py_ssize_t V, double target) nogil
 
 #: Queries processed together by one attention work item (each key row is read once per block).
-ATTENTION_QUERY_BLOCK = 8
-#: Entries of the per-thread row buffer the sampling pass needs (one L1-sized block of logits).
+ATTENTION_QUERY_BLOCK = 16
+
+
+def attention_scratch_width(Py_ssize_t r, Py_ssize_t d, Py_ssize_t keys) -> int:
+    """Floats of per-thread scratch ``attention`` needs: transposed keys plus one block of scores."""
+    return (ATTENTION_QUERY_BLOCK * r + d) * ((keys + 7) // 8 * 8)
+#: Entries of a row of logits the sampling pass handles as one block (kept in L1 between its loops).
 SAMPLING_BLOCK = DG_BLOCK
+
+
+def sampling_scratch_width(Py_ssize_t vocab_size) -> int:
+    """Floats of per-thread scratch ``sample_rows`` needs for rows of ``vocab_size`` logits (one per block)."""
+    return max(1, (vocab_size + DG_BLOCK - 1) // DG_BLOCK)
 
 
 def max_threads() -> int:
@@ -661,7 +768,7 @@ def attention(const float[:, :, :, ::1] q, const int64_t[::1] q_pos,
     Key t is visible from query position p iff it is real, ``(not causal or pos <= p)`` and
     ``(window <= 0 or pos > p - window)``. KV head j serves query heads j*r .. j*r + r - 1 (r = n_h / g);
     keys are never repeated in memory.
-    scratch: (threads, ATTENTION_QUERY_BLOCK * r * (n_cache + S_new)) float32 work space; its rows bound
+    scratch: (threads, attention_scratch_width(r, d, n_cache + S_new)) float32 work space; its rows bound
         the number of threads used. out: (N, S, n_h * d). A query with no visible key gets zeros.
     Replaces ``reference.layers.attend`` together with the visibility of ``reference.masks``.
     """
@@ -674,8 +781,9 @@ def attention(const float[:, :, :, ::1] q, const int64_t[::1] q_pos,
     cdef Py_ssize_t blocks = (S + QB - 1) // QB
     if out.shape[0] != N or out.shape[1] != S or out.shape[2] != n_h * d:
         raise ValueError("attention output has the wrong shape")
-    if scratch.shape[1] < QB * r * T or scratch.shape[0] < 1:
-        raise ValueError(f"attention scratch too small: {tuple(scratch.shape)[:2]}, need (>=1, {QB * r * T})")
+    if scratch.shape[1] < attention_scratch_width(r, d, T) or scratch.shape[0] < 1:
+        raise ValueError(f"attention scratch too small: {tuple(scratch.shape)[:2]}, "
+                         f"need (>=1, {attention_scratch_width(r, d, T)})")
     if n_cache > 0 and (cache_k.shape[2] < n_cache or slot_pos.shape[0] < n_cache):
         raise ValueError("n_cache exceeds the cache storage")
     cdef int nt = _threads(N * g * blocks, 4.0 * QB * r * T * d)
@@ -838,17 +946,20 @@ def sample_rows(const float[:, ::1] logits, float[:, ::1] probs, const int64_t[:
       argmax[i]  first index of the maximum of ẑ (``sampling.argmax_tokens``),
       entropy[i] float32 entropy of softmax(ẑ) in nats (``sampling.softmax_and_entropy``), computed as
                  log S - A / S with S = sum e^(ẑ-m), A = sum e^(ẑ-m) (ẑ-m) accumulated in float64,
-      probs[row] p = float32(exp(ẑ - m)) / float32(S) (the probabilities, for sampling and for the next
-                 step's self-conditioning input),
+      probs[row] p = exp(ẑ - m) / float32(S) (the probabilities, for sampling and for the next step's
+                 self-conditioning input; exp is taken against the running maximum of the row and
+                 rescaled, so p is within a few ulp of the reference's value),
       sampled[i] (only if uniforms is not None) the inverse-CDF draw for uniforms[i] in [0, 1):
                  the first id whose cumulative probability (float64) exceeds u * total, total = sum of p,
                  else the last id of nonzero probability (``sampling.categorical_from_uniform``; cumulative
                  sums run block by block, differing from a strictly sequential float64 sum by < 1e-13
                  relative),
-      flags[i]   1 if ẑ holds NaN, 2 if it holds +inf, 4 if every entry is -inf; such a row's probs are
-                 not written and its other outputs are meaningless (the caller raises).
-    Each row is read twice (statistics, then probabilities and the draw) whatever V is.
-    scratch: (threads, SAMPLING_BLOCK) float32.
+      flags[i]   1 ẑ holds NaN, 2 ẑ holds +inf, 4 ẑ is all -inf, 8 the logits hold +inf, 16 the logits
+                 are all -inf; a flagged row's other outputs (and its probs row) are meaningless (the
+                 caller raises).
+    Each row is read once and written twice (pass 1: statistics and exponentials; pass 2: normalisation
+    and the draw), whatever V is.
+    scratch: (threads, sampling_scratch_width(V)) float32.
     """
     cdef Py_ssize_t R = rows.shape[0], V = logits.shape[1], i, row, tid
     if probs.shape[0] != logits.shape[0] or probs.shape[1] != V:
@@ -857,9 +968,9 @@ def sample_rows(const float[:, ::1] logits, float[:, ::1] probs, const int64_t[:
     cdef bint draw = uniforms is not None
     if draw and uniforms.shape[0] != R:
         raise ValueError(f"{uniforms.shape[0]} uniforms for {R} rows")
-    if scratch.shape[1] < SAMPLING_BLOCK:
+    if scratch.shape[1] < sampling_scratch_width(V):
         raise ValueError("sampling scratch too small")
-    cdef int nt = _threads(R, 40.0 * V)
+    cdef int nt = _threads(R, 12.0 * V)
     if nt > scratch.shape[0]:
         nt = <int>scratch.shape[0]
     cdef float m, total
@@ -873,12 +984,12 @@ def sample_rows(const float[:, ::1] logits, float[:, ::1] probs, const int64_t[:
         arg = 0      # through pointers, which Cython's privatisation analysis does not see)
         S = 0.0
         A = 0.0
+        fl = 0
         found = -1
         below = 0.0
         at = 0.0
-        dg_row_stats(&logits[row, 0], V, temperature, scaled, &scratch[tid, 0], &m, &arg, &S, &A, &fl)
-        if fl == 0 and m == -INFINITY:
-            fl = 4
+        dg_row_pass1(&logits[row, 0], V, temperature, scaled, &probs[row, 0], &scratch[tid, 0], &m, &arg, &S, &A,
+                     &fl)
         flags[i] = fl
         if fl != 0:
             continue
@@ -888,11 +999,9 @@ def sample_rows(const float[:, ::1] logits, float[:, ::1] probs, const int64_t[:
         target = -1.0
         if draw:
             target = uniforms[i] * (S / <double>total)   # estimate of u * sum(p); confirmed below
-        psum = dg_row_probs(&logits[row, 0], V, temperature, scaled, m, total, target, &probs[row, 0],
-                            &found, &below, &at)
+        psum = dg_row_pass2(&probs[row, 0], V, &scratch[tid, 0], m, total, target, &found, &below, &at)
         if draw:
             target = uniforms[i] * psum
             if found < 0 or not (below <= target and target < at):
                 found = dg_cdf_search(&probs[row, 0], V, target)
             sampled[i] = found
-

@@ -381,7 +381,7 @@ class Model:
             n_cache, keys, values, key_pos, key_real = cache.cached_slots(l), new_k, new_v, positions, new_real
         window = config.sliding_window if (w.sliding and not decoder) else 0
         T = n_cache + keys.shape[2]
-        scratch = ws.get("attn_scratch", (max(1, ops.max_threads()), ops.ATTENTION_QUERY_BLOCK * (n_h // g) * T))
+        scratch = ws.get("attn_scratch", (max(1, ops.max_threads()), ops.attention_scratch_width(n_h // g, d, T)))
         ops.attention(q, positions, cache.keys[l], cache.values[l], rows, n_cache, cache.slot_positions[l],
                       cache.real, keys, values, key_pos, key_real, window, not decoder, scratch, attn)
         if not decoder and w.sliding:

@@ -65,7 +65,7 @@ class FusedSampler:
             default ``logits`` itself (overwritten in place, row by row, after it has been read).
         Returns a ``StepResult`` with (n, C) arrays. Raises ``SamplingError`` with the reference's
         message (``sampling.check_logits``) when a processed row holds NaN or +inf or has no finite
-        value; processed rows before it may already have been overwritten then.
+        value; ``probs`` holds garbage then.
         """
         B, C, V = logits.shape
         if probs is None:
@@ -74,8 +74,9 @@ class FusedSampler:
         flat_rows = (rows[:, None] * C + np.arange(C, dtype=np.int64)).reshape(-1)  # (n*C,)
         R = flat_rows.shape[0]
         threads = max(1, _kernels.max_threads())
-        if self._scratch is None or self._scratch.shape[0] < threads:
-            self._scratch = np.empty((threads, _kernels.SAMPLING_BLOCK), dtype=np.float32)
+        width = _kernels.sampling_scratch_width(V)
+        if self._scratch is None or self._scratch.shape[0] < threads or self._scratch.shape[1] < width:
+            self._scratch = np.empty((threads, width), dtype=np.float32)
         draft = np.empty(R, dtype=np.int64)
         entropies = np.empty(R, dtype=np.float32)
         sampled = np.empty(R, dtype=np.int64) if uniforms is not None else None
@@ -87,32 +88,33 @@ class FusedSampler:
         _kernels.sample_rows(logits.reshape(B * C, V), probs.reshape(B * C, V), flat_rows, T, u, self._scratch,
                              draft, entropies, sampled if sampled is not None else np.empty(0, np.int64), flags)
         if flags.any():
-            _raise_for_bad_rows(logits.reshape(B * C, V), flat_rows, flags, C, temperature)
+            _raise_for_bad_rows(flat_rows, flags, C, temperature)
         n = rows.shape[0]
         return StepResult(draft.reshape(n, C), entropies.reshape(n, C),
                           None if sampled is None else sampled.reshape(n, C))
 
 
-def _raise_for_bad_rows(flat_logits: np.ndarray, flat_rows: np.ndarray, flags: np.ndarray, C: int,
-                        temperature: np.float32 | None) -> None:
+def _raise_for_bad_rows(flat_rows: np.ndarray, flags: np.ndarray, C: int, temperature: np.float32 | None) -> None:
     """Raise the ``SamplingError`` that ``reference.sampling.check_logits`` raises for the same logits.
 
-    The reference checks the raw logits first, then the processed ones, and within each reports the
-    first (row, position) holding NaN, else +inf, else only -inf. Flagged rows were left unread-over,
-    so their raw logits are still in ``flat_logits``.
+    The reference checks the raw logits first, then the processed ones, and within each stage reports the
+    first (row, position) holding NaN, else +inf, else only -inf. ``flags`` (from the kernel) say which
+    of these each processed row has: 1 NaN, 2 +inf after the division, 4 all -inf after it, 8 +inf in
+    the raw logits, 16 all -inf in the raw logits.
     """
-    bad = flat_rows[flags != 0]  # ascending (row, position) order, since rows are sorted per call
-    bad = np.sort(bad)
-    stages = [("denoiser logits", lambda z: z)]
+    order = np.argsort(flat_rows, kind="stable")
+    rows, flags = flat_rows[order], flags[order]
+    stages = [("denoiser logits", ((1, "NaN"), (8, "+inf"), (16, "no finite value (all -inf)")))]
     if temperature is not None:
-        stages.append((f"logits divided by temperature {float(temperature)!r}", lambda z: z / np.float32(temperature)))
-    for what, transform in stages:
-        for reason, test in (("NaN", lambda z: np.isnan(z).any()), ("+inf", lambda z: np.isposinf(z).any()),
-                             ("no finite value (all -inf)", lambda z: np.isneginf(z).all())):
-            for flat in bad:
-                if test(transform(flat_logits[flat])):
-                    where = (int(flat // C), int(flat % C))
-                    raise SamplingError(f"{what} at (row, position) {where} hold {reason}; cannot sample a token")
+        stages.append((f"logits divided by temperature {float(temperature)!r}",
+                       ((1, "NaN"), (2, "+inf"), (4, "no finite value (all -inf)"))))
+    for what, checks in stages:
+        for bit, reason in checks:
+            hit = np.flatnonzero(flags & bit)
+            if hit.size:
+                flat = int(rows[hit[0]])
+                raise SamplingError(f"{what} at (row, position) {(flat // C, flat % C)} hold {reason}; "
+                                    "cannot sample a token")
     raise SamplingError("logits cannot be sampled (flagged by the sampling kernel)")  # not reached
 
 

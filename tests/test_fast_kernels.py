@@ -171,7 +171,7 @@ def test_attention_decoder(r, S):
     real = (rng.random((B, L)) > 0.3).astype(np.uint8)
     new_k, new_v = f32(B, g, S, d, scale=0.7), f32(B, g, S, d)
     out = np.empty((B, S, n_h * d), dtype=np.float32)
-    scratch = np.empty((2, K.ATTENTION_QUERY_BLOCK * r * (slots + S)), dtype=np.float32)
+    scratch = np.empty((2, K.attention_scratch_width(r, d, slots + S)), dtype=np.float32)
     qpos = np.arange(L, L + S, dtype=np.int64)
     K.attention(q, qpos, cache_k, cache_v, np.arange(B, dtype=np.int64), slots, positions, real, new_k, new_v,
                 qpos, np.ones((B, S), np.uint8), 0, False, scratch, out)
@@ -195,7 +195,7 @@ def test_attention_encoder_causal_window_and_padding(window):
     real[1, :L + 2] = 0  # row 1: everything up to position L+1 is padding
     qpos = np.arange(L, L + n, dtype=np.int64)
     out = np.empty((B, n, n_h * d), dtype=np.float32)
-    scratch = np.empty((1, K.ATTENTION_QUERY_BLOCK * r * (L + n)), dtype=np.float32)
+    scratch = np.empty((1, K.attention_scratch_width(r, d, L + n)), dtype=np.float32)
     K.attention(q, qpos, cache_k, cache_v, np.arange(B, dtype=np.int64), L, np.arange(L, dtype=np.int64), real,
                 new_k, new_v, qpos, np.ascontiguousarray(real[:, L:]), window, True, scratch, out)
     keys, values = np.concatenate([cache_k, new_k], 2), np.concatenate([cache_v, new_v], 2)
@@ -294,14 +294,14 @@ def test_parallel_and_serial_paths_agree():
                 c = z.copy()
                 K.softcap(c, np.float32(30))
                 att = np.empty((B, S, g * r * d), np.float32)
-                scratch = np.empty((2, K.ATTENTION_QUERY_BLOCK * r * S), np.float32)
+                scratch = np.empty((2, K.attention_scratch_width(r, d, S)), np.float32)
                 empty = np.zeros((B, g, 0, d), np.float32)
                 K.attention(q, qpos, empty, empty, np.arange(B, dtype=np.int64), 0, qpos[:0],
                             np.ones((B, 0), np.uint8), kv, kv, qpos, np.ones((B, S), np.uint8), 0, True, scratch, att)
                 probs, draft, H, sampled, flags = (np.empty_like(z), np.empty(40, np.int64), np.empty(40, np.float32),
                                                    np.empty(40, np.int64), np.zeros(40, np.intc))
                 K.sample_rows(z, probs, np.arange(40, dtype=np.int64), 0.7, np.linspace(0, 0.99, 40),
-                              np.empty((2, K.SAMPLING_BLOCK), np.float32), draft, H, sampled, flags)
+                              np.empty((2, K.sampling_scratch_width(300)), np.float32), draft, H, sampled, flags)
                 outs.append((a, p, c, att, probs, draft, H, sampled))
         finally:
             K.set_parallel_threshold(previous)
