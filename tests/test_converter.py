@@ -643,3 +643,17 @@ def test_parse_size_rejects(text):
 
     with pytest.raises(argparse.ArgumentTypeError):
         cli.parse_size(text)
+
+
+def test_output_permissions_follow_the_umask(hf_dir, tmp_path):
+    """The atomic temp directory (0700) and safetensors' 0600 files must not leak into the result."""
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        convert(hf_dir, tmp_path / "perm", progress=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "perm").st_mode) == 0o755
+    for name in os.listdir(tmp_path / "perm"):
+        assert stat.S_IMODE(os.stat(tmp_path / "perm" / name).st_mode) == 0o644, name

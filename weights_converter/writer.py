@@ -131,6 +131,19 @@ def check_destination(dst: str | os.PathLike, force: bool) -> None:
                               "refusing to delete it even with --force")
 
 
+def _apply_umask(directory: str) -> None:
+    """Give ``directory`` and its files the permissions a plain mkdir/open would have had.
+
+    ``mkdtemp`` creates the directory private (0700) and safetensors writes files 0600; a converted
+    checkpoint should be as readable as any other file the user creates (0755 / 0644 under umask 022).
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), 0o666 & ~umask)
+
+
 @contextlib.contextmanager
 def atomic_directory(dst: str | os.PathLike, force: bool = False) -> Iterator[str]:
     """Yield a fresh temporary sibling of ``dst``; on success rename it to ``dst``.
@@ -146,6 +159,7 @@ def atomic_directory(dst: str | os.PathLike, force: bool = False) -> Iterator[st
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.partial-", dir=os.path.dirname(dst))
     try:
         yield tmp
+        _apply_umask(tmp)
         check_destination(dst, force)  # something may have appeared at dst meanwhile
         if os.path.lexists(dst):
             old = tmp + ".replaced"
