@@ -231,20 +231,22 @@ cdef extern from *:
        batch row: first n_cache slots of the cache (slot t holds position slot_pos[t], -1 = empty,
        realness creal[position]), then n_new fresh keys (positions new_pos, realness nreal).
        q: query i, head h at q + i*q_stride + h*d. out likewise at out + i*out_stride + h*d.
-       The block's keys are transposed into kt (d x T8, T8 = T rounded up to 8, zero padded) so that
-       scores are computed as 4-row x 8-key register tiles (score += q[k] * kt[k][t..t+7]); the weighted
-       sum of values uses 4-row x 8-dim tiles over the keys. Every key and value row is read once per
-       block and serves all nq*r (query, head) rows. Each score and each output element is a sum in
-       ascending order of k (resp. t), whatever the tiling. Scratch: (nq*r + d) * T8 floats. */
+       The block's rows = nq*r (query, head) pairs are transposed into qt (d x R8, R8 = rows rounded up
+       to 8) so that the scores of eight rows against one key form one vector: they are computed in
+       tiles of 8 rows x 4 keys (score += qt[k][rows] * key[k]), every key row streaming once per block.
+       Scores are kept as (T x R8); the float32 softmax runs down the columns (eight rows per vector)
+       and the weighted sum of values uses tiles of 4 rows x 8 dims. Each score is a sum over k and
+       each output a sum over t, both in ascending order, whatever the tiling.
+       Scratch: (d + T + 3) * R8 floats. */
     #define DG_TILE_ROWS 4
     #if defined(__GNUC__)
     static inline dg_v8f dg_load8(const float *p) { dg_v8f v; memcpy(&v, p, sizeof v); return v; }
     static inline void dg_store8(float *p, dg_v8f v) { memcpy(p, &v, sizeof v); }
     #endif
 
-    static inline const float *dg_value_row(const float *cv, Py_ssize_t ck_stride, Py_ssize_t n_cache,
-                                            const float *nv, Py_ssize_t nk_stride, Py_ssize_t t) {
-        return t < n_cache ? cv + t * ck_stride : nv + (t - n_cache) * nk_stride;
+    static inline const float *dg_kv_row(const float *c, Py_ssize_t c_stride, Py_ssize_t n_cache,
+                                         const float *n, Py_ssize_t n_stride, Py_ssize_t t) {
+        return t < n_cache ? c + t * c_stride : n + (t - n_cache) * n_stride;
     }
 
     DG_CLONES static void dg_attend_block(
@@ -254,39 +256,34 @@ cdef extern from *:
             const float *nk, const float *nv, Py_ssize_t nk_stride, Py_ssize_t n_new,
             const int64_t *new_pos, const uint8_t *nreal,
             int64_t window, int causal, float *scratch, float *out, Py_ssize_t out_stride) {
-        Py_ssize_t T = n_cache + n_new, T8 = (T + 7) / 8 * 8;
+        Py_ssize_t T = n_cache + n_new;
         int rows = nq * r;
-        float *kt = scratch;                   /* (d, T8) transposed keys */
-        float *scores = scratch + d * T8;      /* (rows, T8) */
-        const float *qrow[DG_TILE_ROWS];
-        float *orow[DG_TILE_ROWS];
-        for (Py_ssize_t k = 0; k < d; k++)
-            for (Py_ssize_t t = T; t < T8; t++) kt[k * T8 + t] = 0.0f;
-        for (Py_ssize_t t = 0; t < T; t++) {
-            const float *key = t < n_cache ? ck + t * ck_stride : nk + (t - n_cache) * nk_stride;
-            for (Py_ssize_t k = 0; k < d; k++) kt[k * T8 + t] = key[k];
+        Py_ssize_t R8 = (rows + 7) / 8 * 8;
+        float *qt = scratch;                   /* (d, R8) transposed queries, zero padded */
+        float *sc = scratch + d * R8;          /* (T, R8) scores, then weights */
+        for (Py_ssize_t k = 0; k < d; k++) {
+            for (int row = 0; row < rows; row++) qt[k * R8 + row] = q[(row / r) * q_stride + (row % r) * d + k];
+            for (Py_ssize_t row = rows; row < R8; row++) qt[k * R8 + row] = 0.0f;
         }
-        /* scores = q . k, tiles of DG_TILE_ROWS rows x 8 keys */
-        for (int r0 = 0; r0 < rows; r0 += DG_TILE_ROWS) {
-            int nr = rows - r0 < DG_TILE_ROWS ? rows - r0 : DG_TILE_ROWS;
-            for (int j = 0; j < DG_TILE_ROWS; j++) {
-                int row = r0 + (j < nr ? j : 0);
-                qrow[j] = q + (row / r) * q_stride + (row % r) * d;
-            }
-            for (Py_ssize_t t0 = 0; t0 < T8; t0 += 8) {
+        /* scores: tiles of 8 rows x 4 keys */
+        for (Py_ssize_t t0 = 0; t0 < T; t0 += 4) {
+            int nt = T - t0 < 4 ? (int)(T - t0) : 4;
+            const float *key[4];
+            for (int j = 0; j < 4; j++) key[j] = dg_kv_row(ck, ck_stride, n_cache, nk, nk_stride, t0 + (j < nt ? j : 0));
+            for (Py_ssize_t r0 = 0; r0 < R8; r0 += 8) {
     #if defined(__GNUC__)
-                dg_v8f acc[DG_TILE_ROWS] = {{0}};
+                dg_v8f acc[4] = {{0}};
                 for (Py_ssize_t k = 0; k < d; k++) {
-                    dg_v8f kv = dg_load8(kt + k * T8 + t0);
-                    for (int j = 0; j < DG_TILE_ROWS; j++) acc[j] += qrow[j][k] * kv;
+                    dg_v8f qv = dg_load8(qt + k * R8 + r0);
+                    for (int j = 0; j < 4; j++) acc[j] += qv * key[j][k];
                 }
-                for (int j = 0; j < nr; j++) dg_store8(scores + (Py_ssize_t)(r0 + j) * T8 + t0, acc[j]);
+                for (int j = 0; j < nt; j++) dg_store8(sc + (t0 + j) * R8 + r0, acc[j]);
     #else
-                for (int j = 0; j < nr; j++)
+                for (int j = 0; j < nt; j++)
                     for (int l = 0; l < 8; l++) {
                         float a = 0.0f;
-                        for (Py_ssize_t k = 0; k < d; k++) a += qrow[j][k] * kt[k * T8 + t0 + l];
-                        scores[(Py_ssize_t)(r0 + j) * T8 + t0 + l] = a;
+                        for (Py_ssize_t k = 0; k < d; k++) a += qt[k * R8 + r0 + l] * key[j][k];
+                        sc[(t0 + j) * R8 + r0 + l] = a;
                     }
     #endif
             }
@@ -295,29 +292,45 @@ cdef extern from *:
             int64_t pos; int real;
             if (t < n_cache) { pos = slot_pos[t]; real = pos >= 0 && creal[pos]; }
             else { pos = new_pos[t - n_cache]; real = nreal[t - n_cache]; }
+            float *st = sc + t * R8;
             for (int i = 0; i < nq; i++) {
                 int vis = real && (!causal || pos <= qpos[i]) && (window <= 0 || pos > qpos[i] - window);
                 if (!vis)
-                    for (int h = 0; h < r; h++) scores[(Py_ssize_t)(i * r + h) * T8 + t] = -INFINITY;
+                    for (int h = 0; h < r; h++) st[i * r + h] = -INFINITY;
             }
         }
-        for (int row = 0; row < rows; row++) {    /* float32 softmax per row, as the reference */
-            float *s = scores + (Py_ssize_t)row * T8;
-            float m = dg_max_row(s, T);
-            if (m == -INFINITY) {                 /* no visible key: zero weights (reference: zero output) */
-                for (Py_ssize_t t = 0; t < T; t++) s[t] = 0.0f;
-                continue;
-            }
-            float total = (float)dg_exp_shift_row(s, m, T, s);
-            for (Py_ssize_t t = 0; t < T; t++) s[t] = s[t] / total;
+        /* float32 softmax of each row (a column here): max, exp, float64 sum, division */
+        float *colmax = sc + T * R8;           /* (R8) after the scores */
+        double *colsum = (double *)(colmax + R8);  /* (R8) doubles: 2 * R8 floats */
+        for (Py_ssize_t row = 0; row < R8; row++) { colmax[row] = -INFINITY; colsum[row] = 0.0; }
+        for (Py_ssize_t t = 0; t < T; t++) {
+            const float *st = sc + t * R8;
+            for (Py_ssize_t row = 0; row < R8; row++) colmax[row] = st[row] > colmax[row] ? st[row] : colmax[row];
         }
-        /* out = sum_t p[t] v[t], tiles of DG_TILE_ROWS rows x 8 dims, then a scalar tail of dims */
+        for (Py_ssize_t row = 0; row < R8; row++) if (colmax[row] == -INFINITY) colmax[row] = 0.0f;
+        for (Py_ssize_t t = 0; t < T; t++) {
+            float *st = sc + t * R8;
+            for (Py_ssize_t row = 0; row < R8; row++) {
+                float e = dg_expf(st[row] - colmax[row]);
+                st[row] = e;
+                colsum[row] += (double)e;
+            }
+        }
+        float *coltotal = colmax;              /* reuse: float32 totals; 0 marks a row with no visible key */
+        for (Py_ssize_t row = 0; row < R8; row++) coltotal[row] = (float)colsum[row];
+        for (Py_ssize_t t = 0; t < T; t++) {
+            float *st = sc + t * R8;
+            for (Py_ssize_t row = 0; row < R8; row++)
+                st[row] = coltotal[row] > 0.0f ? st[row] / coltotal[row] : 0.0f;
+        }
+        /* out = sum_t w[t] v[t]: tiles of 4 rows x 8 dims, then a scalar tail of dims */
         for (int r0 = 0; r0 < rows; r0 += DG_TILE_ROWS) {
             int nr = rows - r0 < DG_TILE_ROWS ? rows - r0 : DG_TILE_ROWS;
-            const float *prow[DG_TILE_ROWS];
+            float *orow[DG_TILE_ROWS];
+            int col[DG_TILE_ROWS];
             for (int j = 0; j < DG_TILE_ROWS; j++) {
                 int row = r0 + (j < nr ? j : 0);
-                prow[j] = scores + (Py_ssize_t)row * T8;
+                col[j] = row;
                 orow[j] = out + (row / r) * out_stride + (row % r) * d;
             }
             Py_ssize_t k0 = 0;
@@ -325,8 +338,9 @@ cdef extern from *:
             for (; k0 + 8 <= d; k0 += 8) {
                 dg_v8f acc[DG_TILE_ROWS] = {{0}};
                 for (Py_ssize_t t = 0; t < T; t++) {
-                    dg_v8f vv = dg_load8(dg_value_row(cv, ck_stride, n_cache, nv, nk_stride, t) + k0);
-                    for (int j = 0; j < DG_TILE_ROWS; j++) acc[j] += prow[j][t] * vv;
+                    dg_v8f vv = dg_load8(dg_kv_row(cv, ck_stride, n_cache, nv, nk_stride, t) + k0);
+                    const float *wt = sc + t * R8;
+                    for (int j = 0; j < DG_TILE_ROWS; j++) acc[j] += wt[col[j]] * vv;
                 }
                 for (int j = 0; j < nr; j++) dg_store8(orow[j] + k0, acc[j]);
             }
@@ -335,7 +349,7 @@ cdef extern from *:
                 for (int j = 0; j < nr; j++) {
                     float a = 0.0f;
                     for (Py_ssize_t t = 0; t < T; t++)
-                        a += prow[j][t] * dg_value_row(cv, ck_stride, n_cache, nv, nk_stride, t)[k0];
+                        a += sc[t * R8 + col[j]] * dg_kv_row(cv, ck_stride, n_cache, nv, nk_stride, t)[k0];
                     orow[j][k0] = a;
                 }
         }
@@ -511,8 +525,8 @@ ATTENTION_QUERY_BLOCK = 16
 
 
 def attention_scratch_width(Py_ssize_t r, Py_ssize_t d, Py_ssize_t keys) -> int:
-    """Floats of per-thread scratch ``attention`` needs: transposed keys plus one block of scores."""
-    return (ATTENTION_QUERY_BLOCK * r + d) * ((keys + 7) // 8 * 8)
+    """Floats of per-thread scratch ``attention`` needs: transposed queries plus one block of scores."""
+    return (d + keys + 3) * ((ATTENTION_QUERY_BLOCK * r + 7) // 8 * 8)
 #: Entries of a row of logits the sampling pass handles as one block (kept in L1 between its loops).
 SAMPLING_BLOCK = DG_BLOCK
 
