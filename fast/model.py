@@ -24,6 +24,7 @@ Not thread-safe: a model owns one workspace; use one model per thread.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -58,16 +59,25 @@ class Workspace:
 
     def __init__(self, xp=np):
         self.xp = xp
-        self._buffers: dict[tuple[str, str], np.ndarray] = {}
+        self._buffers: dict[tuple[str, type], np.ndarray] = {}
+        self._views: dict[tuple[str, tuple[int, ...], type], np.ndarray] = {}  # memoised views (hot path)
 
     def get(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
-        size = int(np.prod(shape, dtype=np.int64))
-        key = (name, np.dtype(dtype).str)
+        view = self._views.get((name, shape, dtype))
+        if view is not None:
+            return view
+        size = math.prod(shape)
+        key = (name, dtype)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.size < size:
             buffer = self.xp.empty(max(size, 1), dtype=dtype)
             self._buffers[key] = buffer
-        return buffer[:size].reshape(shape)
+            self._views = {k: v for k, v in self._views.items() if k[0] != name or k[2] != dtype}
+        view = buffer[:size].reshape(shape)
+        if len(self._views) > 4096:  # shapes vary with prompt lengths: keep the memo bounded
+            self._views.clear()
+        self._views[(name, shape, dtype)] = view
+        return view
 
     @property
     def nbytes(self) -> int:
