@@ -6,8 +6,17 @@ the fused sampling pass. Configuration, weight loading, errors, draw sources and
 the reference's own (``diffusiongemma.reference``).
 """
 
-from .cache import KVCache
-from .generate import generate
-from .model import DEVICES, Model
+import os
+
+# The kernels' OpenMP regions alternate with BLAS calls that have their own thread pool. By default an
+# idle OpenMP thread spins for a while after each region, and those spinning threads take the cores the
+# BLAS threads need (with two threads on two cores, a decoder pass became 30x slower). Passive waiting
+# costs a few microseconds per region and removes the contention. libgomp reads this variable once,
+# when it is first loaded; an explicit setting by the user wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from .cache import KVCache  # noqa: E402
+from .generate import generate  # noqa: E402
+from .model import DEVICES, Model  # noqa: E402
 
 __all__ = ["Model", "KVCache", "generate", "DEVICES"]

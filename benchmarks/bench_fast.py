@@ -1,0 +1,277 @@
+"""Benchmark of the fast CPU path against the reference and transformers (torch CPU, fp32, eager).
+
+    python benchmarks/bench_fast.py [--threads 1 2] [--configs small medium] [--quick]
+
+Measures, at each thread count (threadpoolctl limits BLAS and OpenMP; torch.set_num_threads for torch;
+OMP_NUM_THREADS is set to the largest count before anything is imported):
+
+* generate on the same weights with the same fixed number of steps (adaptive stopping off, no EOS):
+  fast vs transformers (small and medium) and fast vs reference (small);
+* one sampling step (temperature, softmax, entropy, categorical draw, argmax, acceptance, renoise) over a
+  (256, 262144) logits tensor: fast vs reference;
+* the decoder forward (one ``denoise`` with self-conditioning) on medium in GFLOP/s, next to NumPy's
+  float32 GEMM rate on a 2048^3 product in the same run.
+
+Each timing is the best of ``--repeats`` runs (wall clock). The machine line, thread counts and the git
+commit are printed first. Weights are random (``fast.testing.random_tensors``); timings do not depend on
+their values except through adaptive stopping, which is off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+_MAX_THREADS = os.environ.get("BENCH_MAX_THREADS", "2")
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, _MAX_THREADS)
+
+import platform  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import numpy as np  # noqa: E402
+from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
+
+from diffusiongemma import fast  # noqa: E402
+from diffusiongemma.fast.testing import make_config, random_tensors  # noqa: E402
+from diffusiongemma.reference.draws import SeededDraws  # noqa: E402
+from diffusiongemma.reference.generate import generate as reference_generate  # noqa: E402
+from diffusiongemma.reference.model import Model as ReferenceModel  # noqa: E402
+from diffusiongemma.reference.sampling import (argmax_tokens, check_logits, entropy_bound_accept,  # noqa: E402
+                                               renoise, scale_logits, softmax_and_entropy)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # hf_tiny: transformers configs with a tiny vision tower
+
+
+@dataclass
+class Setup:
+    name: str
+    config_kwargs: dict
+    prompt: int  # prompt length
+    batch: int
+    steps: int  # denoising steps per canvas (all executed)
+    canvases: int
+
+
+SETUPS = {
+    "small": Setup("small", dict(vocab_size=8192, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                 layer_types="SFSF", num_attention_heads=4, sliding_head_dim=64, sliding_kv_heads=2,
+                                 full_head_dim=128, full_kv_heads=1, sliding_window=128, num_experts=8,
+                                 top_k_experts=2, canvas_length=64), prompt=128, batch=1, steps=16, canvases=2),
+    "medium": Setup("medium", dict(vocab_size=32768, hidden_size=1024, intermediate_size=2048,
+                                   moe_intermediate_size=512, layer_types="SSSF", num_attention_heads=8,
+                                   sliding_head_dim=128, sliding_kv_heads=4, full_head_dim=256, full_kv_heads=2,
+                                   sliding_window=512, num_experts=16, top_k_experts=4, canvas_length=128),
+                    prompt=256, batch=1, steps=4, canvases=1),
+}
+
+
+def best_of(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        load = " load average %.2f %.2f %.2f" % os.getloadavg()
+    except OSError:
+        load = ""
+    return f"{cpu}, {os.cpu_count()} logical CPUs,{load}, Python {platform.python_version()}, NumPy {np.__version__}"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "fast"], cwd=HERE, capture_output=True, text=True)
+        return out.stdout.strip() + (" (fast/ modified)" if dirty.stdout.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+# ------------------------------------------------------------------------------------------ transformers
+def transformers_model(config, tensors):
+    """A transformers DiffusionGemmaForBlockDiffusion (fp32, eager) holding exactly ``tensors``."""
+    import torch
+    from hf_tiny import SLIDING, TinySpec, hf_config
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from diffusiongemma.weights_converter.names import hf_name
+
+    sliding = [i for i, t in enumerate(config.layer_types) if t == SLIDING]
+    full = [i for i, t in enumerate(config.layer_types) if t != SLIDING]
+    spec = TinySpec(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                    intermediate_size=config.intermediate_size, moe_intermediate_size=config.moe_intermediate_size,
+                    layer_types=list(config.layer_types), num_attention_heads=config.num_attention_heads,
+                    num_key_value_heads=config.layer_num_key_value_heads[sliding[0]] if sliding else 1,
+                    num_global_key_value_heads=config.layer_num_key_value_heads[full[0]],
+                    head_dim=config.layer_head_dim[sliding[0]] if sliding else config.layer_head_dim[full[0]],
+                    global_head_dim=config.layer_head_dim[full[0]], num_experts=config.num_experts,
+                    top_k_experts=config.top_k_experts, sliding_window=config.sliding_window,
+                    canvas_length=config.canvas_length,
+                    partial_rotary_factor=config.rope_parameters["full_attention"].partial_rotary_factor)
+    model = DiffusionGemmaForBlockDiffusion._from_config(hf_config(spec), dtype=torch.float32,
+                                                         attn_implementation="eager")
+    model.eval()
+    state = model.state_dict(keep_vars=True)  # tied tensors appear under every name
+    with torch.no_grad():
+        for name, value in tensors.items():
+            target = state[hf_name(name)]
+            target.copy_(torch.from_numpy(np.asarray(value).reshape(target.shape)))
+    model.generation_config.eos_token_id = None  # no EOS: every run does the same amount of work
+    model.generation_config.pad_token_id = None
+    model.generation_config.stability_threshold = None  # no adaptive stopping: all steps run
+    return model
+
+
+def hf_generate(model, prompt, setup: Setup):
+    import torch
+
+    with torch.no_grad():
+        return model.generate(torch.from_numpy(prompt), max_new_tokens=setup.canvases * model.config.canvas_length,
+                              max_denoising_steps=setup.steps)
+
+
+# ------------------------------------------------------------------------------------------ measurements
+def ours_generate(model, prompt, setup: Setup):
+    C = model.config.canvas_length
+    generate = fast.generate if isinstance(model, fast.Model) else reference_generate
+    return generate(model, prompt, random=0, progress=False, max_new_tokens=setup.canvases * C,
+                    max_denoising_steps=setup.steps, stability_threshold=None, eos_token_id=())
+
+
+def decoder_flops(config, batch: int, cached: int) -> float:
+    """Multiply-adds x 2 of one decoder pass with self-conditioning (matrix products and attention)."""
+    C, H, V = config.canvas_length, config.hidden_size, config.vocab_size
+    M = batch * C
+    flops = 2 * M * V * H * 2  # self-conditioning soft embedding + output projection
+    flops += 2 * M * H * config.intermediate_size * 3  # self-conditioning MLP
+    for l in range(config.num_hidden_layers):
+        d, g, n_h = config.layer_head_dim[l], config.layer_num_key_value_heads[l], config.num_attention_heads
+        qkv = n_h * d + g * d * (2 if config.is_sliding(l) else 1)
+        flops += 2 * M * H * (qkv + n_h * d)  # projections
+        keys = (min(cached, config.sliding_window - 1) if config.is_sliding(l) else cached) + C
+        flops += 2 * 2 * M * n_h * d * keys  # scores and weighted sum
+        flops += 2 * M * H * config.intermediate_size * 3  # dense MLP
+        flops += 2 * M * config.top_k_experts * H * config.moe_intermediate_size * 3 + 2 * M * H * config.num_experts
+    return float(flops)
+
+
+def reference_sampling_step(z, temp, draws, bound):
+    processed = scale_logits(z, temp)
+    check_logits(z, "denoiser logits")
+    check_logits(processed, "processed")
+    probs, entropies = softmax_and_entropy(processed)
+    sampled = draws.categorical(probs)
+    draft = argmax_tokens(processed)
+    accepted = entropy_bound_accept(entropies, bound)
+    return draft, renoise(sampled, accepted, draws.renoise_ids(*z.shape))
+
+
+def fast_sampling_step(z, temp, draws, bound, sampler):
+    from diffusiongemma.fast.sampling import sampling_step
+
+    u = draws.generator.random(size=z.shape[:2], dtype=np.float64)
+    return sampling_step(z, temp, u, draws.renoise_ids(*z.shape), bound, sampler)
+
+
+def run(args) -> list[str]:
+    lines = [f"machine: {machine_line()}", f"commit: {git_commit()}",
+             "thread pools: " + ", ".join(f"{p['internal_api']} ({p['num_threads']})" for p in threadpool_info()),
+             f"kernels compiled with OpenMP threads available: {fast._kernels.max_threads()}"]
+    print("\n".join(lines), flush=True)
+
+    def report(line):
+        print(line, flush=True)
+        lines.append(line)
+
+    import torch
+
+    built = {}
+    for name in args.configs:
+        setup = SETUPS[name]
+        config = make_config(**setup.config_kwargs)
+        tensors = random_tensors(config, 0)
+        prompt = np.random.default_rng(0).integers(3, config.vocab_size, (setup.batch, setup.prompt))
+        built[name] = (setup, config, tensors, prompt, fast.Model(config, tensors),
+                       ReferenceModel(config, tensors) if name == "small" else None,
+                       transformers_model(config, tensors) if not args.no_transformers else None)
+
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        with threadpool_limits(limits=threads):
+            report(f"\n## {threads} thread(s)")
+            for name, (setup, config, tensors, prompt, fst, ref, hf) in built.items():
+                work = f"{setup.canvases} canvas(es) x {setup.steps} steps, batch {setup.batch}, prompt {setup.prompt}"
+                t_fast = best_of(lambda: ours_generate(fst, prompt, setup), args.repeats)
+                report(f"{name} generate ({work}): fast {t_fast:.3f} s")
+                if hf is not None:
+                    t_hf = best_of(lambda: hf_generate(hf, prompt, setup), args.repeats)
+                    report(f"  transformers {t_hf:.3f} s -> fast is {t_hf / t_fast:.2f}x faster")
+                if ref is not None:
+                    t_ref = best_of(lambda: ours_generate(ref, prompt, setup), args.repeats)
+                    report(f"  reference    {t_ref:.3f} s -> fast is {t_ref / t_fast:.2f}x faster")
+                if name == "medium":
+                    cache = fst.new_cache(setup.batch)
+                    fst.encode(prompt, cache)
+                    canvas = np.random.default_rng(1).integers(0, config.vocab_size, (setup.batch, config.canvas_length))
+                    out = fst.denoise(canvas, cache)
+                    sc = out / np.float32(0.8)
+                    t_dec = best_of(lambda: fst.denoise(canvas, cache, sc, out=out), args.repeats)
+                    rate = decoder_flops(config, setup.batch, cache.length) / t_dec / 1e9
+                    a = np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32)
+                    b, c = a.copy(), np.empty_like(a)
+                    t_gemm = best_of(lambda: np.matmul(a, b, out=c), max(2, args.repeats))
+                    gemm = 2 * 2048 ** 3 / t_gemm / 1e9
+                    report(f"  medium decoder forward (denoise with SC, {cache.length} cached): {t_dec:.3f} s, "
+                           f"{rate:.1f} GFLOP/s; NumPy float32 GEMM 2048^3: {gemm:.1f} GFLOP/s -> "
+                           f"{rate / gemm:.2f} of GEMM rate")
+            if args.sampling:
+                B, C, V = 1, 256, 262144
+                logits = (4.0 * np.random.default_rng(0).standard_normal((B, C, V))).astype(np.float32)
+                temp, bound = np.float32(0.8), 0.1
+                t_ref = best_of(lambda: reference_sampling_step(logits, temp, SeededDraws(0), bound), 1)
+                from diffusiongemma.fast.sampling import FusedSampler
+
+                sampler, work = FusedSampler(), np.empty_like(logits)
+
+                def fast_step():
+                    np.copyto(work, logits)  # the fast step overwrites its input; copying is not timed below
+                    start = time.perf_counter()
+                    fast_sampling_step(work, temp, SeededDraws(0), bound, sampler)
+                    return time.perf_counter() - start
+
+                t_fast = min(fast_step() for _ in range(args.repeats))
+                same = np.array_equal(fast_sampling_step(logits.copy(), temp, SeededDraws(0), bound, sampler)[4],
+                                      reference_sampling_step(logits, temp, SeededDraws(0), bound)[1])
+                report(f"sampling step over ({B}, {C}, {V}) logits (canvas of 256, vocabulary 262144): "
+                       f"reference {t_ref:.3f} s, fast {t_fast:.3f} s -> {t_ref / t_fast:.1f}x faster "
+                       f"(same next canvas: {same})")
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--configs", nargs="+", default=["small", "medium"], choices=sorted(SETUPS))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-sampling", dest="sampling", action="store_false")
+    parser.add_argument("--no-transformers", action="store_true")
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
