@@ -49,11 +49,12 @@ import importlib
 from diffusiongemma.reference.cache import KVCache as ReferenceKVCache
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.draws import SeededDraws, as_draw_source
-from diffusiongemma.reference.errors import CheckpointError, InputError, SamplingError
+from diffusiongemma.reference.errors import InputError, SamplingError
 from diffusiongemma.reference.primitives import rope_inverse_frequencies
 from diffusiongemma.reference.sampling import (StableAndConfident, finalize_canvas, temperature,
                                                tokens_per_forward)
-from diffusiongemma.reference.weights import check_tensors, is_converted_checkpoint, load_converted
+from diffusiongemma.reference.model import check_attention_mask, check_token_ids
+from diffusiongemma.reference.weights import check_tensors, load_checkpoint
 
 from . import gpu_launch as gl
 
@@ -382,17 +383,7 @@ class Model:
         ``ConfigError`` for a bad checkpoint. The device is checked before the (slow) weight read.
         """
         dev = CupyDevice(device) if isinstance(device, str) else device
-        if not os.path.isdir(path):
-            raise CheckpointError(f"model directory {str(path)!r} does not exist")
-        if is_converted_checkpoint(path):
-            config, tensors = load_converted(path)
-        elif os.path.isfile(os.path.join(path, "config.json")):
-            from diffusiongemma.weights_converter import load_transformers_checkpoint
-
-            config, tensors = load_transformers_checkpoint(path)
-        else:
-            raise CheckpointError(f"{str(path)!r} is neither a converted diffusiongemma checkpoint "
-                                  "(diffusiongemma.json) nor a transformers checkpoint (config.json)")
+        config, tensors = load_checkpoint(path)
         return cls(config, tensors, device=dev)
 
     def new_cache(self, batch_size: int) -> GpuKVCache:
@@ -402,20 +393,9 @@ class Model:
 
     # ------------------------------------------------------------------ checks
     def _check_ids(self, name: str, ids: Any, cache: Any) -> np.ndarray:
-        ids = np.asarray(ids)
-        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise InputError(f"{name} must be a 2-D integer array (batch, tokens), got shape {ids.shape} "
-                             f"dtype {ids.dtype}")
         if not isinstance(cache, GpuKVCache):
             raise InputError(f"cache must be a GpuKVCache from Model.new_cache, got {type(cache).__name__}")
-        if ids.shape[0] != cache.batch_size:
-            raise InputError(f"{name} has batch size {ids.shape[0]} but the cache was made for "
-                             f"batch size {cache.batch_size}")
-        V = self.config.vocab_size
-        if ids.size and (ids.min() < 0 or ids.max() >= V):
-            bad = ids[(ids < 0) | (ids >= V)].ravel()[0]
-            raise InputError(f"{name} holds token id {int(bad)} outside [0, vocab_size={V})")
-        return ids.astype(np.int64)
+        return check_token_ids(name, ids, cache.batch_size, self.config.vocab_size)
 
     # ------------------------------------------------------------------ encoder
     def encode(self, input_ids: Any, cache: GpuKVCache, attention_mask: Any = None) -> np.ndarray:
@@ -433,15 +413,7 @@ class Model:
         B, n = ids.shape
         if n == 0:
             raise InputError("input_ids has no tokens (shape (B, 0))")
-        if attention_mask is None:
-            mask = np.ones((B, n), dtype=np.uint8)
-        else:
-            mask = np.asarray(attention_mask)
-            if mask.shape != (B, n):
-                raise InputError(f"attention_mask has shape {mask.shape}, expected {(B, n)} like input_ids")
-            if not np.isin(mask, (0, 1)).all():
-                raise InputError("attention_mask must hold only 0 and 1")
-            mask = mask.astype(np.uint8)
+        mask = check_attention_mask(attention_mask, (B, n)).astype(np.uint8)
         config, dev = self.config, self.device
         with dev.context():
             L = cache.length

@@ -20,11 +20,44 @@ import numpy as np
 
 from .cache import KVCache
 from .config import ModelConfig
-from .errors import CheckpointError, InputError
+from .errors import InputError
 from .layers import attend, feed_forward, project_qkv
 from .masks import decoder_visibility, encoder_visibility
 from .primitives import embed, gated_mlp, rms_norm, rope_cos_sin, rope_inverse_frequencies, softcap
-from .weights import check_tensors, is_converted_checkpoint, load_converted
+from .weights import check_tensors, load_checkpoint
+
+
+def check_token_ids(name: str, ids, batch_size: int, vocab_size: int) -> np.ndarray:
+    """Validate a (batch, tokens) array of token ids; return it as contiguous int64.
+
+    Raises ``InputError`` naming ``name`` for a non-2-D or non-integer array, a batch size other than
+    ``batch_size`` (the cache's), or an id outside [0, vocab_size). Shared by every backend.
+    """
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"{name} must be a 2-D integer array (batch, tokens), got shape {ids.shape} "
+                         f"dtype {ids.dtype}")
+    if ids.shape[0] != batch_size:
+        raise InputError(f"{name} has batch size {ids.shape[0]} but the cache was made for batch size {batch_size}")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = ids[(ids < 0) | (ids >= vocab_size)].ravel()[0]
+        raise InputError(f"{name} holds token id {int(bad)} outside [0, vocab_size={vocab_size})")
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+def check_attention_mask(attention_mask, shape: tuple[int, int]) -> np.ndarray:
+    """Validate a 0/1 attention mask of ``shape`` (None means all ones); return it as a bool array.
+
+    Raises ``InputError`` for another shape or values other than 0 and 1. Shared by every backend.
+    """
+    if attention_mask is None:
+        return np.ones(shape, dtype=bool)
+    mask = np.asarray(attention_mask)
+    if mask.shape != tuple(shape):
+        raise InputError(f"attention_mask has shape {mask.shape}, expected {tuple(shape)} like input_ids")
+    if not np.isin(mask, (0, 1)).all():
+        raise InputError("attention_mask must hold only 0 and 1")
+    return mask.astype(bool)
 
 
 class Model:
@@ -53,18 +86,7 @@ class Model:
         Raises ``CheckpointError`` when ``path`` is neither, or when its tensors are wrong, and
         ``ConfigError`` for an invalid config.
         """
-        if not os.path.isdir(path):
-            raise CheckpointError(f"model directory {str(path)!r} does not exist")
-        if is_converted_checkpoint(path):
-            config, tensors = load_converted(path)
-        elif os.path.isfile(os.path.join(path, "config.json")):
-            from diffusiongemma.weights_converter import load_transformers_checkpoint
-
-            config, tensors = load_transformers_checkpoint(path)
-        else:
-            raise CheckpointError(f"{str(path)!r} is neither a converted diffusiongemma checkpoint "
-                                  "(diffusiongemma.json) nor a transformers checkpoint (config.json)")
-        return cls(config, tensors)
+        return cls(*load_checkpoint(path))
 
     def new_cache(self, batch_size: int) -> KVCache:
         """An empty KV cache for ``batch_size`` rows."""
@@ -74,19 +96,9 @@ class Model:
 
     # ------------------------------------------------------------------ input checks
     def _check_ids(self, name: str, ids: np.ndarray, cache: KVCache) -> np.ndarray:
-        ids = np.asarray(ids)
-        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise InputError(f"{name} must be a 2-D integer array (batch, tokens), got shape {ids.shape} "
-                             f"dtype {ids.dtype}")
         if not isinstance(cache, KVCache):
             raise InputError(f"cache must be a KVCache from Model.new_cache, got {type(cache).__name__}")
-        if ids.shape[0] != cache.batch_size:
-            raise InputError(f"{name} has batch size {ids.shape[0]} but the cache was made for "
-                             f"batch size {cache.batch_size}")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-            bad = ids[(ids < 0) | (ids >= self.config.vocab_size)].ravel()[0]
-            raise InputError(f"{name} holds token id {int(bad)} outside [0, vocab_size={self.config.vocab_size})")
-        return ids.astype(np.int64)
+        return check_token_ids(name, ids, cache.batch_size, self.config.vocab_size)
 
     # ------------------------------------------------------------------ encoder
     def encode(self, input_ids: np.ndarray, cache: KVCache, attention_mask: np.ndarray | None = None) -> np.ndarray:
@@ -106,15 +118,7 @@ class Model:
         B, n = ids.shape
         if n == 0:
             raise InputError("input_ids has no tokens (shape (B, 0))")
-        if attention_mask is None:
-            mask = np.ones((B, n), dtype=bool)
-        else:
-            mask = np.asarray(attention_mask)
-            if mask.shape != (B, n):
-                raise InputError(f"attention_mask has shape {mask.shape}, expected {(B, n)} like input_ids")
-            if not np.isin(mask, (0, 1)).all():
-                raise InputError("attention_mask must hold only 0 and 1")
-            mask = mask.astype(bool)
+        mask = check_attention_mask(attention_mask, (B, n))
         config = self.config
         positions = cache.length + np.arange(n, dtype=np.int64)  # (n,)
         is_real = np.concatenate([cache.is_real, mask], axis=1)  # (B, L + n)

@@ -182,3 +182,23 @@ def load_converted(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.n
             raise CheckpointError(f"{file_path}: unreadable safetensors file ({exc})") from exc
     check_tensors(tensors, config)
     return config, tensors
+
+
+def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """``(config, float32 tensors)`` of a converted directory or of a transformers directory.
+
+    A transformers directory (``config.json`` + safetensors) is converted in memory by
+    ``diffusiongemma.weights_converter`` (the one place the reference reaches the converter). Raises
+    ``CheckpointError`` when ``path`` does not exist or is neither kind, or when its tensors are wrong, and
+    ``ConfigError`` for an invalid config. Every backend's ``Model.from_pretrained`` loads through this.
+    """
+    if not os.path.isdir(path):
+        raise CheckpointError(f"model directory {str(path)!r} does not exist")
+    if is_converted_checkpoint(path):
+        return load_converted(path)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from diffusiongemma.weights_converter import load_transformers_checkpoint
+
+        return load_transformers_checkpoint(path)
+    raise CheckpointError(f"{str(path)!r} is neither a converted diffusiongemma checkpoint "
+                          f"({INDEX_FILE}) nor a transformers checkpoint (config.json)")
