@@ -542,9 +542,11 @@ def max_threads() -> int:
 
 
 # A parallel region is opened only for at least this much work (elements touched, weighted by a rough
-# per-element cost): forking and joining threads costs microseconds, and on a machine whose cores are
-# shared it can cost a scheduler time slice, which for the small calls of a tiny model dwarfs the work.
-cdef double _parallel_min_work = 262144.0
+# per-element cost; 2^21 is about a millisecond on one core): forking and joining threads costs
+# microseconds, and when the cores are shared with other processes every join can wait a scheduler time
+# slice for a descheduled thread, which for small calls dwarfs the work. So only the big loops (softcap
+# and sampling over the vocabulary, attention over long caches, the norms of long prompts) go parallel.
+cdef double _parallel_min_work = 2097152.0
 
 
 def set_parallel_threshold(double work) -> float:

@@ -4,11 +4,11 @@ Same arguments, same results and the same random-draw contract as ``reference.ge
 docstring is the specification; its ``GenerationConfig``, ``GenerationResult``, callbacks, input checks
 and draw sources are used as they are). What differs is how a step is computed:
 
-* with ``fast.Model``'s own decoder, one (B, C, V) float32 buffer serves a whole canvas: the decoder
+* with ``fast.Model``'s own decoder, one (B, C, V) float32 buffer serves the whole run: the decoder
   writes soft-capped logits into it, the fused sampling pass (``fast.sampling``) turns each row into its
   probabilities in place, and the next step's self-conditioning reads those probabilities from it (the
-  reference recomputes the same softmax of the processed logits). Nothing else proportional to the
-  vocabulary is allocated per step;
+  reference recomputes the same softmax of the processed logits). With ``SeededDraws`` nothing else
+  proportional to the vocabulary is allocated per step;
 * rows that finished denoising are not decoded again (the reference runs them and discards the result):
   only their reported ``StepInfo.sampled`` differs, which for such a row repeats its last live draw;
 * with ``SeededDraws`` the categorical draw uses the same generator call as the reference
