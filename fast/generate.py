@@ -30,9 +30,9 @@ import numpy as np
 
 from diffusiongemma.reference.draws import DrawSource, SeededDraws, as_draw_source
 from diffusiongemma.reference.generate import (CanvasInfo, GenerationConfig, GenerationResult, StepInfo,
-                                               _check_prompt, _check_special_ids, _check_start_canvas,
-                                               _check_start_sc_logits, _new_token_budget, _notify, _readonly,
-                                               _resolve_config, _run_denoiser)
+                                               check_prompt, check_special_ids, check_start_canvas,
+                                               check_start_sc_logits, new_token_budget, notify, readonly,
+                                               resolve_config, run_denoiser)
 from diffusiongemma.reference.sampling import (StableAndConfident, entropy_bound_accept, finalize_canvas,
                                                freeze_rows, renoise, scale_logits, temperature,
                                                tokens_per_forward)
@@ -59,20 +59,20 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     tokens_per_forward (B,) float32, steps_per_canvas, forward_passes (B,), cache). Raises
     ``InputError`` / ``ConfigError`` / ``SamplingError`` / ``draws.ReplayError`` as the reference does.
     """
-    config = _resolve_config(model, generation_config, overrides)
+    config = resolve_config(model, generation_config, overrides)
     V, C = int(model.config.vocab_size), int(model.config.canvas_length)
-    _check_special_ids(config, V)
-    ids, mask = _check_prompt(input_ids, attention_mask, V)
+    check_special_ids(config, V)
+    ids, mask = check_prompt(input_ids, attention_mask, V)
     B, P = ids.shape
-    start_canvas = _check_start_canvas(decoder_input_ids, B, C, V)
-    start_sc = _check_start_sc_logits(self_conditioning_logits, B, C, V)
+    start_canvas = check_start_canvas(decoder_input_ids, B, C, V)
+    start_sc = check_start_sc_logits(self_conditioning_logits, B, C, V)
     draws = as_draw_source(random)
     encode = encoder if encoder is not None else model.encode
     fused_decoder = denoiser is None and isinstance(model, Model)
     if cache is None:
         cache = model.new_cache(B)
     context_length = P + int(cache.length)  # transformers' cur_len
-    n_canvases = math.ceil(_new_token_budget(config, context_length) / C)
+    n_canvases = math.ceil(new_token_budget(config, context_length) / C)
     if isinstance(cache, KVCache):
         cache.reserve(context_length + n_canvases * C)
     stopper = (StableAndConfident(config.stability_threshold, config.confidence_threshold)
@@ -85,7 +85,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     forward_passes = np.zeros(B, dtype=np.int64)
     steps_per_canvas: list[int] = []
     new_ids, new_mask = ids, mask
-    _notify(callback, "on_prompt", _readonly(ids))
+    notify(callback, "on_prompt", readonly(ids))
 
     from tqdm import tqdm
 
@@ -94,7 +94,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
                     leave=False)
     try:
         for k in range(n_canvases):
-            encode(_readonly(new_ids), cache, None if new_mask is None else _readonly(new_mask))
+            encode(readonly(new_ids), cache, None if new_mask is None else readonly(new_mask))
             initial = draws.canvas_ids(B, C, V)  # always drawn, even when a starting canvas is given
             canvas = start_canvas if (k == 0 and start_canvas is not None) else initial
             sc_logits = start_sc if k == 0 else None
@@ -109,7 +109,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
                                             reached_max_length)
             sequences = np.concatenate([sequences, tokens], axis=1)
             canvas_bar.update(1)
-            _notify(callback, "on_canvas", CanvasInfo(k, _readonly(tokens), _readonly(ended.copy()), steps))
+            notify(callback, "on_canvas", CanvasInfo(k, readonly(tokens), readonly(ended.copy()), steps))
             if ended.all():
                 break
             new_ids = tokens
@@ -125,7 +125,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
         forward_passes=forward_passes,
         cache=cache,
     )
-    _notify(callback, "on_end", result)
+    notify(callback, "on_end", result)
     return result
 
 
@@ -170,7 +170,7 @@ class _CanvasLoop:
                 self.model.decode_rows(canvas[live], live, cache, self.buffer if has_sc else None, self.buffer)
                 logits, probs = self.buffer, self.buffer
             else:
-                logits = _run_denoiser(self.denoise, canvas, cache, sc_logits, (B, C, V))
+                logits = run_denoiser(self.denoise, canvas, cache, sc_logits, (B, C, V))
                 logits = np.ascontiguousarray(logits)
                 probs = self.buffer
             # fused decoder: finished rows were not decoded, so only live rows are sampled; an external
@@ -209,11 +209,11 @@ class _CanvasLoop:
             has_sc = True
             canvas, draft, entropies, sampled_prev = next_canvas, new_draft, step_entropies, sampled  # (j)
             step_bar.update(1)
-            _notify(self.callback, "on_step", StepInfo(
+            notify(self.callback, "on_step", StepInfo(
                 canvas_index=k, step=step, step_index=step_index,
-                temperature=None if temp is None else float(temp), draft=_readonly(draft),
-                sampled=_readonly(sampled), accepted=_readonly(accepted), canvas=_readonly(canvas),
-                entropies=_readonly(entropies), finished=_readonly(finished.copy())))
+                temperature=None if temp is None else float(temp), draft=readonly(draft),
+                sampled=readonly(sampled), accepted=readonly(accepted), canvas=readonly(canvas),
+                entropies=readonly(entropies), finished=readonly(finished.copy())))
             if finished.all():  # (k)
                 break
         return draft, step_index + 1

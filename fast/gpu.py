@@ -689,13 +689,13 @@ def _generate(model: Model, input_ids: Any, attention_mask: Any, generation_conf
     """The loop. ``logits_hook(canvas (B, C) int64, rows)`` -> soft-capped host logits (B, C, V) replaces
     the decoder (tests only: it feeds the same logits to this loop and to the reference's)."""
     R = ref_generate
-    config = R._resolve_config(model, generation_config, overrides)
+    config = R.resolve_config(model, generation_config, overrides)
     V, C = int(model.config.vocab_size), int(model.config.canvas_length)
-    R._check_special_ids(config, V)
-    ids, mask = R._check_prompt(input_ids, attention_mask, V)
+    R.check_special_ids(config, V)
+    ids, mask = R.check_prompt(input_ids, attention_mask, V)
     B, P = ids.shape
-    start_canvas = R._check_start_canvas(decoder_input_ids, B, C, V)
-    start_sc = R._check_start_sc_logits(self_conditioning_logits, B, C, V)
+    start_canvas = R.check_start_canvas(decoder_input_ids, B, C, V)
+    start_sc = R.check_start_sc_logits(self_conditioning_logits, B, C, V)
     draws = as_draw_source(random)
     dev = model.device
     with dev.context():
@@ -704,7 +704,7 @@ def _generate(model: Model, input_ids: Any, attention_mask: Any, generation_conf
         elif not isinstance(cache, GpuKVCache) or cache.batch_size != B:
             raise InputError(f"cache must be a GpuKVCache for batch size {B}, got {type(cache).__name__}")
         context_length = P + int(cache.length)
-        n_canvases = math.ceil(R._new_token_budget(config, context_length) / C)
+        n_canvases = math.ceil(R.new_token_budget(config, context_length) / C)
         stopper = (StableAndConfident(config.stability_threshold, config.confidence_threshold)
                    if config.uses_adaptive_stopping else None)
         state = _DeviceSampler(model, B, C, V, draws, logits_hook)
@@ -714,7 +714,7 @@ def _generate(model: Model, input_ids: Any, attention_mask: Any, generation_conf
         forward_passes = np.zeros(B, dtype=np.int64)
         steps_per_canvas: list[int] = []
         new_ids, new_mask = ids, mask
-        R._notify(callback, "on_prompt", R._readonly(ids))
+        R.notify(callback, "on_prompt", R.readonly(ids))
 
         from tqdm import tqdm
 
@@ -737,7 +737,7 @@ def _generate(model: Model, input_ids: Any, attention_mask: Any, generation_conf
                                                 reached_max_length)
                 sequences = np.concatenate([sequences, tokens], axis=1)
                 canvas_bar.update(1)
-                R._notify(callback, "on_canvas", R.CanvasInfo(k, R._readonly(tokens), R._readonly(ended.copy()), steps))
+                R.notify(callback, "on_canvas", R.CanvasInfo(k, R.readonly(tokens), R.readonly(ended.copy()), steps))
                 if ended.all():
                     break
                 new_ids = tokens
@@ -752,7 +752,7 @@ def _generate(model: Model, input_ids: Any, attention_mask: Any, generation_conf
         forward_passes=forward_passes,
         cache=cache,
     )
-    R._notify(callback, "on_end", result)
+    R.notify(callback, "on_end", result)
     return result
 
 
@@ -851,11 +851,11 @@ def _denoise_canvas(k: int, canvas: np.ndarray, sc_logits: np.ndarray | None, ca
             finished = finished | stopper(new_draft, step_entropies)  # (i)
         canvas, draft, entropies = next_canvas, new_draft, step_entropies  # (j)
         step_bar.update(1)
-        R._notify(callback, "on_step", R.StepInfo(
+        R.notify(callback, "on_step", R.StepInfo(
             canvas_index=k, step=step, step_index=step_index,
-            temperature=None if temp is None else float(temp), draft=R._readonly(draft),
-            sampled=R._readonly(sampled), accepted=R._readonly(accepted), canvas=R._readonly(canvas),
-            entropies=R._readonly(entropies), finished=R._readonly(finished.copy())))
+            temperature=None if temp is None else float(temp), draft=R.readonly(draft),
+            sampled=R.readonly(sampled), accepted=R.readonly(accepted), canvas=R.readonly(canvas),
+            entropies=R.readonly(entropies), finished=R.readonly(finished.copy())))
         if finished.all():  # (k)
             break
     return draft, step_index + 1

@@ -38,7 +38,10 @@ from .errors import ConfigError, InputError
 from .sampling import (StableAndConfident, argmax_tokens, check_logits, entropy_bound_accept, finalize_canvas,
                        freeze_rows, renoise, scale_logits, softmax_and_entropy, temperature, tokens_per_forward)
 
-__all__ = ["GenerationConfig", "GenerationResult", "GenerationCallback", "StepInfo", "CanvasInfo", "generate"]
+__all__ = ["GenerationConfig", "GenerationResult", "GenerationCallback", "StepInfo", "CanvasInfo", "generate",
+           # the loop's plumbing, shared with the fast paths (fast/generate.py, fast/gpu.py):
+           "resolve_config", "check_special_ids", "check_prompt", "check_start_canvas", "check_start_sc_logits",
+           "new_token_budget", "run_denoiser", "notify", "readonly"]
 
 DEFAULT_MAX_NEW_TOKENS = 256  # transformers lets max_length take over only while max_new_tokens has this value
 SAMPLER_CLASS_NAME = "EntropyBoundSamplerConfig"  # the only sampler transformers knows
@@ -283,13 +286,15 @@ class GenerationResult:
     cache: Any = None  # the cache; it lacks the last canvas (never encoded; trap T23)
 
 
-def _notify(callback: Any, method: str, argument: Any) -> None:
+def notify(callback: Any, method: str, argument: Any) -> None:
+    """Call ``callback.<method>(argument)`` if the callback exists and has that method (duck typing)."""
     handler = getattr(callback, method, None) if callback is not None else None
     if handler is not None:
         handler(argument)
 
 
-def _readonly(array: np.ndarray) -> np.ndarray:
+def readonly(array: np.ndarray) -> np.ndarray:
+    """A read-only view of ``array`` (what callbacks, denoisers and encoders receive)."""
     view = array.view()
     view.flags.writeable = False
     return view
@@ -346,13 +351,13 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     ``SamplingError`` when logits hold NaN / +inf or a position has no finite logit, and
     ``draws.ReplayError`` when a replayed recording does not fit.
     """
-    config = _resolve_config(model, generation_config, overrides)
+    config = resolve_config(model, generation_config, overrides)
     V, C = int(model.config.vocab_size), int(model.config.canvas_length)
-    _check_special_ids(config, V)
-    ids, mask = _check_prompt(input_ids, attention_mask, V)
+    check_special_ids(config, V)
+    ids, mask = check_prompt(input_ids, attention_mask, V)
     B, P = ids.shape
-    start_canvas = _check_start_canvas(decoder_input_ids, B, C, V)
-    start_sc = _check_start_sc_logits(self_conditioning_logits, B, C, V)
+    start_canvas = check_start_canvas(decoder_input_ids, B, C, V)
+    start_sc = check_start_sc_logits(self_conditioning_logits, B, C, V)
     draws = as_draw_source(random)
     denoise = denoiser if denoiser is not None else model.denoise
     encode = encoder if encoder is not None else model.encode
@@ -364,7 +369,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
         if denoiser is None and "trace" in inspect.signature(model.denoise).parameters:
             denoise = functools.partial(model.denoise, trace=trace)
     context_length = P + int(cache.length)  # transformers' cur_len
-    n_canvases = math.ceil(_new_token_budget(config, context_length) / C)
+    n_canvases = math.ceil(new_token_budget(config, context_length) / C)
     stopper = (StableAndConfident(config.stability_threshold, config.confidence_threshold)
                if config.uses_adaptive_stopping else None)
 
@@ -373,7 +378,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     forward_passes = np.zeros(B, dtype=np.int64)
     steps_per_canvas: list[int] = []
     new_ids, new_mask = ids, mask  # what the next encode call appends
-    _notify(callback, "on_prompt", _readonly(ids))
+    notify(callback, "on_prompt", readonly(ids))
 
     from tqdm import tqdm
 
@@ -384,7 +389,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
         for k in range(n_canvases):
             if trace is not None:
                 trace.begin_encode(new_ids, new_mask)
-            encode(_readonly(new_ids), cache, None if new_mask is None else _readonly(new_mask))
+            encode(readonly(new_ids), cache, None if new_mask is None else readonly(new_mask))
             if trace is not None:
                 trace.end_encode(cache)
             initial = draws.canvas_ids(B, C, V)  # always drawn, even when a starting canvas is given
@@ -406,7 +411,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
             if trace is not None:
                 trace.commit(tokens, ended)
             canvas_bar.update(1)
-            _notify(callback, "on_canvas", CanvasInfo(k, _readonly(tokens), _readonly(ended.copy()), steps))
+            notify(callback, "on_canvas", CanvasInfo(k, readonly(tokens), readonly(ended.copy()), steps))
             if ended.all():
                 break
             new_ids = tokens
@@ -424,7 +429,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     )
     if trace is not None:
         trace.end_run(sequences)
-    _notify(callback, "on_end", result)
+    notify(callback, "on_end", result)
     return result
 
 
@@ -450,7 +455,7 @@ def _denoise_canvas(k: int, canvas: np.ndarray, sc_logits: np.ndarray | None, ca
 
         if trace is not None:
             trace.begin_step(~finished)
-        logits = _run_denoiser(denoise, canvas, cache, sc_logits, (B, C, V))  # (b) (B, C, V) float32
+        logits = run_denoiser(denoise, canvas, cache, sc_logits, (B, C, V))  # (b) (B, C, V) float32
         if trace is not None:
             trace.logits(logits)
         check_logits(logits, "denoiser logits")
@@ -479,20 +484,20 @@ def _denoise_canvas(k: int, canvas: np.ndarray, sc_logits: np.ndarray | None, ca
             trace.end_step(temperature=temp, draft=draft, sampled=sampled, entropies=entropies, accepted=accepted,
                            canvas=canvas, finished=finished)
         step_bar.update(1)
-        _notify(callback, "on_step", StepInfo(
+        notify(callback, "on_step", StepInfo(
             canvas_index=k, step=step, step_index=step_index,
-            temperature=None if temp is None else float(temp), draft=_readonly(draft),
-            sampled=_readonly(sampled), accepted=_readonly(accepted), canvas=_readonly(canvas),
-            entropies=_readonly(entropies), finished=_readonly(finished.copy())))
+            temperature=None if temp is None else float(temp), draft=readonly(draft),
+            sampled=readonly(sampled), accepted=readonly(accepted), canvas=readonly(canvas),
+            entropies=readonly(entropies), finished=readonly(finished.copy())))
         if finished.all():  # (k) only reachable with adaptive stopping
             break
     return draft, step_index + 1
 
 
-def _run_denoiser(denoise: Denoiser, canvas: np.ndarray, cache: Any, sc_logits: np.ndarray | None,
+def run_denoiser(denoise: Denoiser, canvas: np.ndarray, cache: Any, sc_logits: np.ndarray | None,
                   shape: tuple[int, int, int]) -> np.ndarray:
     """Call the denoiser on read-only inputs and check what it returns."""
-    logits = denoise(_readonly(canvas), cache, None if sc_logits is None else _readonly(sc_logits))
+    logits = denoise(readonly(canvas), cache, None if sc_logits is None else readonly(sc_logits))
     logits = np.asarray(logits)
     if logits.shape != shape:
         raise InputError(f"the denoiser returned logits of shape {logits.shape}, expected {shape}")
@@ -502,7 +507,7 @@ def _run_denoiser(denoise: Denoiser, canvas: np.ndarray, cache: Any, sc_logits: 
 
 
 # ================================================================================================ input checks
-def _resolve_config(model: Any, config: GenerationConfig | None, overrides: Mapping[str, Any]) -> GenerationConfig:
+def resolve_config(model: Any, config: GenerationConfig | None, overrides: Mapping[str, Any]) -> GenerationConfig:
     """Explicit config > ``model.generation_config`` > defaults; then keyword overrides (transformers' order)."""
     if config is None:
         config = getattr(model, "generation_config", None) or GenerationConfig()
@@ -511,7 +516,8 @@ def _resolve_config(model: Any, config: GenerationConfig | None, overrides: Mapp
     return config.replace(**overrides) if overrides else config
 
 
-def _check_special_ids(config: GenerationConfig, vocab_size: int) -> None:
+def check_special_ids(config: GenerationConfig, vocab_size: int) -> None:
+    """Raise ``ConfigError`` when an EOS or pad id lies outside [0, vocab_size)."""
     for name, ids in (("eos_token_id", config.eos_token_id),
                       ("pad_token_id", () if config.pad_token_id is None else (config.pad_token_id,))):
         for token in ids:
@@ -519,7 +525,11 @@ def _check_special_ids(config: GenerationConfig, vocab_size: int) -> None:
                 raise ConfigError(f"{name} {token} is outside the vocabulary [0, {vocab_size})")
 
 
-def _check_prompt(input_ids: Any, attention_mask: Any, vocab_size: int) -> tuple[np.ndarray, np.ndarray | None]:
+def check_prompt(input_ids: Any, attention_mask: Any, vocab_size: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Validate the prompt (B, P) int ids in [0, V), P >= 1, and its optional (B, P) 0/1 mask.
+
+    Returns (ids int64, mask int64 or None). Raises ``InputError`` naming the problem.
+    """
     ids = np.asarray(input_ids)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise InputError(f"input_ids must be a 2-D integer array (batch, tokens), got shape {ids.shape} "
@@ -539,7 +549,8 @@ def _check_prompt(input_ids: Any, attention_mask: Any, vocab_size: int) -> tuple
     return ids.astype(np.int64), mask.astype(np.int64)
 
 
-def _check_start_canvas(canvas: Any, B: int, C: int, V: int) -> np.ndarray | None:
+def check_start_canvas(canvas: Any, B: int, C: int, V: int) -> np.ndarray | None:
+    """Validate a caller's first canvas (B, C) int ids in [0, V), or None. Raises ``InputError``."""
     if canvas is None:
         return None
     canvas = np.asarray(canvas)
@@ -551,7 +562,8 @@ def _check_start_canvas(canvas: Any, B: int, C: int, V: int) -> np.ndarray | Non
     return canvas.astype(np.int64)
 
 
-def _check_start_sc_logits(logits: Any, B: int, C: int, V: int) -> np.ndarray | None:
+def check_start_sc_logits(logits: Any, B: int, C: int, V: int) -> np.ndarray | None:
+    """Validate a caller's first self-conditioning logits (B, C, V) float32, or None. Raises ``InputError``."""
     if logits is None:
         return None
     logits = np.asarray(logits)
@@ -563,7 +575,7 @@ def _check_start_sc_logits(logits: Any, B: int, C: int, V: int) -> np.ndarray | 
     return logits.copy()
 
 
-def _new_token_budget(config: GenerationConfig, context_length: int) -> int:
+def new_token_budget(config: GenerationConfig, context_length: int) -> int:
     """transformers' ``_prepare_generated_length``: max_length wins only while max_new_tokens is 256."""
     if config.max_length is not None and config.max_new_tokens == DEFAULT_MAX_NEW_TOKENS:
         budget = config.max_length - context_length

@@ -1147,13 +1147,13 @@ def record_generate(generate_fn: Callable, model: Any, input_ids: np.ndarray, re
     Returns what ``generate_fn`` returns; ``recorder`` is finished (``end_run`` called) and ready to ``save``.
     """
     from .draws import as_draw_source
-    from .generate import _resolve_config
+    from .generate import resolve_config
 
     if "trace" in inspect.signature(generate_fn).parameters:
         return generate_fn(model, input_ids, attention_mask, generation_config, random=random, trace=recorder,
                            callback=callback, **kwargs)
     progress = kwargs.pop("progress", False)
-    config = _resolve_config(model, generation_config, kwargs)
+    config = resolve_config(model, generation_config, kwargs)
     draws = as_draw_source(random)
     recorder.begin_run(model.config, config, input_ids, attention_mask, draws=draws)
     draws = recorder.record_draws(draws)
