@@ -227,132 +227,23 @@ cdef extern from *:
     }
 
     /* ---------------------------------------------------------------------------------- attention
-       One block of nq queries of one KV head (GQA: r query heads share it) against the keys of one
-       batch row: first n_cache slots of the cache (slot t holds position slot_pos[t], -1 = empty,
-       realness creal[position]), then n_new fresh keys (positions new_pos, realness nreal).
-       q: query i, head h at q + i*q_stride + h*d. out likewise at out + i*out_stride + h*d.
-       The block's rows = nq*r (query, head) pairs are transposed into qt (d x R8, R8 = rows rounded up
-       to 8) so that the scores of eight rows against one key form one vector: they are computed in
-       tiles of 8 rows x 4 keys (score += qt[k][rows] * key[k]), every key row streaming once per block.
-       Scores are kept as (T x R8); the float32 softmax runs down the columns (eight rows per vector)
-       and the weighted sum of values uses tiles of 4 rows x 8 dims. Each score is a sum over k and
-       each output a sum over t, both in ascending order, whatever the tiling.
-       Scratch: (d + T + 3) * R8 floats. */
-    #define DG_TILE_ROWS 4
-    #if defined(__GNUC__)
-    static inline dg_v8f dg_load8(const float *p) { dg_v8f v; memcpy(&v, p, sizeof v); return v; }
-    static inline void dg_store8(float *p, dg_v8f v) { memcpy(p, &v, sizeof v); }
-    #endif
-
-    static inline const float *dg_kv_row(const float *c, Py_ssize_t c_stride, Py_ssize_t n_cache,
-                                         const float *n, Py_ssize_t n_stride, Py_ssize_t t) {
-        return t < n_cache ? c + t * c_stride : n + (t - n_cache) * n_stride;
-    }
-
-    DG_CLONES static void dg_attend_block(
-            const float *q, Py_ssize_t q_stride, int r, Py_ssize_t d, int nq, const int64_t *qpos,
-            const float *ck, const float *cv, Py_ssize_t ck_stride, Py_ssize_t n_cache,
-            const int64_t *slot_pos, const uint8_t *creal,
-            const float *nk, const float *nv, Py_ssize_t nk_stride, Py_ssize_t n_new,
-            const int64_t *new_pos, const uint8_t *nreal,
-            int64_t window, int causal, float *scratch, float *out, Py_ssize_t out_stride) {
-        Py_ssize_t T = n_cache + n_new;
-        int rows = nq * r;
-        Py_ssize_t R8 = (rows + 7) / 8 * 8;
-        float *qt = scratch;                   /* (d, R8) transposed queries, zero padded */
-        float *sc = scratch + d * R8;          /* (T, R8) scores, then weights */
-        for (Py_ssize_t k = 0; k < d; k++) {
-            for (int row = 0; row < rows; row++) qt[k * R8 + row] = q[(row / r) * q_stride + (row % r) * d + k];
-            for (Py_ssize_t row = rows; row < R8; row++) qt[k * R8 + row] = 0.0f;
-        }
-        /* scores: tiles of 8 rows x 4 keys */
-        for (Py_ssize_t t0 = 0; t0 < T; t0 += 4) {
-            int nt = T - t0 < 4 ? (int)(T - t0) : 4;
-            const float *key[4];
-            for (int j = 0; j < 4; j++) key[j] = dg_kv_row(ck, ck_stride, n_cache, nk, nk_stride, t0 + (j < nt ? j : 0));
-            for (Py_ssize_t r0 = 0; r0 < R8; r0 += 8) {
-    #if defined(__GNUC__)
-                dg_v8f acc[4] = {{0}};
-                for (Py_ssize_t k = 0; k < d; k++) {
-                    dg_v8f qv = dg_load8(qt + k * R8 + r0);
-                    for (int j = 0; j < 4; j++) acc[j] += qv * key[j][k];
-                }
-                for (int j = 0; j < nt; j++) dg_store8(sc + (t0 + j) * R8 + r0, acc[j]);
-    #else
-                for (int j = 0; j < nt; j++)
-                    for (int l = 0; l < 8; l++) {
-                        float a = 0.0f;
-                        for (Py_ssize_t k = 0; k < d; k++) a += qt[k * R8 + r0 + l] * key[j][k];
-                        sc[(t0 + j) * R8 + r0 + l] = a;
-                    }
-    #endif
-            }
-        }
-        for (Py_ssize_t t = 0; t < T; t++) {      /* visibility: hidden keys get -inf */
-            int64_t pos; int real;
-            if (t < n_cache) { pos = slot_pos[t]; real = pos >= 0 && creal[pos]; }
-            else { pos = new_pos[t - n_cache]; real = nreal[t - n_cache]; }
-            float *st = sc + t * R8;
-            for (int i = 0; i < nq; i++) {
-                int vis = real && (!causal || pos <= qpos[i]) && (window <= 0 || pos > qpos[i] - window);
-                if (!vis)
-                    for (int h = 0; h < r; h++) st[i * r + h] = -INFINITY;
-            }
-        }
-        /* float32 softmax of each row (a column here): max, exp, float64 sum, division */
-        float *colmax = sc + T * R8;           /* (R8) after the scores */
-        double *colsum = (double *)(colmax + R8);  /* (R8) doubles: 2 * R8 floats */
-        for (Py_ssize_t row = 0; row < R8; row++) { colmax[row] = -INFINITY; colsum[row] = 0.0; }
+       Masked float32 softmax of one row of attention scores s (T keys) for a query at position qp:
+       key t is visible iff kreal[t] and kpos[t] >= 0 and (not causal or kpos[t] <= qp) and
+       (window <= 0 or kpos[t] > qp - window). Hidden keys get weight 0; a row with no visible key
+       becomes all zeros (the reference's zero output for such a query). */
+    DG_CLONES static void dg_masked_softmax_row(float *s, Py_ssize_t T, const int64_t *kpos, const uint8_t *kreal,
+                                                int64_t qp, int64_t window, int causal) {
         for (Py_ssize_t t = 0; t < T; t++) {
-            const float *st = sc + t * R8;
-            for (Py_ssize_t row = 0; row < R8; row++) colmax[row] = st[row] > colmax[row] ? st[row] : colmax[row];
+            int vis = kreal[t] && kpos[t] >= 0 && (!causal || kpos[t] <= qp) && (window <= 0 || kpos[t] > qp - window);
+            s[t] = vis ? s[t] : -INFINITY;
         }
-        for (Py_ssize_t row = 0; row < R8; row++) if (colmax[row] == -INFINITY) colmax[row] = 0.0f;
-        for (Py_ssize_t t = 0; t < T; t++) {
-            float *st = sc + t * R8;
-            for (Py_ssize_t row = 0; row < R8; row++) {
-                float e = dg_expf(st[row] - colmax[row]);
-                st[row] = e;
-                colsum[row] += (double)e;
-            }
+        float m = dg_max_row(s, T);
+        if (m == -INFINITY) {
+            for (Py_ssize_t t = 0; t < T; t++) s[t] = 0.0f;
+            return;
         }
-        float *coltotal = colmax;              /* reuse: float32 totals; 0 marks a row with no visible key */
-        for (Py_ssize_t row = 0; row < R8; row++) coltotal[row] = (float)colsum[row];
-        for (Py_ssize_t t = 0; t < T; t++) {
-            float *st = sc + t * R8;
-            for (Py_ssize_t row = 0; row < R8; row++)
-                st[row] = coltotal[row] > 0.0f ? st[row] / coltotal[row] : 0.0f;
-        }
-        /* out = sum_t w[t] v[t]: tiles of 4 rows x 8 dims, then a scalar tail of dims */
-        for (int r0 = 0; r0 < rows; r0 += DG_TILE_ROWS) {
-            int nr = rows - r0 < DG_TILE_ROWS ? rows - r0 : DG_TILE_ROWS;
-            float *orow[DG_TILE_ROWS];
-            int col[DG_TILE_ROWS];
-            for (int j = 0; j < DG_TILE_ROWS; j++) {
-                int row = r0 + (j < nr ? j : 0);
-                col[j] = row;
-                orow[j] = out + (row / r) * out_stride + (row % r) * d;
-            }
-            Py_ssize_t k0 = 0;
-    #if defined(__GNUC__)
-            for (; k0 + 8 <= d; k0 += 8) {
-                dg_v8f acc[DG_TILE_ROWS] = {{0}};
-                for (Py_ssize_t t = 0; t < T; t++) {
-                    dg_v8f vv = dg_load8(dg_kv_row(cv, ck_stride, n_cache, nv, nk_stride, t) + k0);
-                    const float *wt = sc + t * R8;
-                    for (int j = 0; j < DG_TILE_ROWS; j++) acc[j] += wt[col[j]] * vv;
-                }
-                for (int j = 0; j < nr; j++) dg_store8(orow[j] + k0, acc[j]);
-            }
-    #endif
-            for (; k0 < d; k0++)
-                for (int j = 0; j < nr; j++) {
-                    float a = 0.0f;
-                    for (Py_ssize_t t = 0; t < T; t++)
-                        a += sc[t * R8 + col[j]] * dg_kv_row(cv, ck_stride, n_cache, nv, nk_stride, t)[k0];
-                    orow[j][k0] = a;
-                }
-        }
+        float total = (float)dg_exp_shift_row(s, m, T, s);
+        dg_div_row(s, total, T);
     }
 
     /* ---------------------------------------------------------------------------------- sampling
@@ -507,12 +398,8 @@ cdef extern from *:
     double dg_exp_shift_row(const float *x, float shift, Py_ssize_t n, float *out) nogil
     void dg_div_row(float *x, float d, Py_ssize_t n) nogil
     void dg_axpy(float *y, float a, const float *x, Py_ssize_t n) nogil
-    void dg_attend_block(const float *q, Py_ssize_t q_stride, int r, Py_ssize_t d, int nq, const int64_t *qpos,
-                         const float *ck, const float *cv, Py_ssize_t ck_stride, Py_ssize_t n_cache,
-                         const int64_t *slot_pos, const uint8_t *creal,
-                         const float *nk, const float *nv, Py_ssize_t nk_stride, Py_ssize_t n_new,
-                         const int64_t *new_pos, const uint8_t *nreal,
-                         int64_t window, int causal, float *scores, float *out, Py_ssize_t out_stride) nogil
+    void dg_masked_softmax_row(float *s, Py_ssize_t T, const int64_t *kpos, const uint8_t *kreal, int64_t qp,
+                               int64_t window, int causal) nogil
     int DG_BLOCK
     void dg_row_pass1(const float *z, Py_ssize_t V, float temp, int scaled, float *out, float *mb, float *m_out,
                       int64_t *arg_out, double *S_out, double *A_out, int *flags_out) nogil
@@ -520,13 +407,6 @@ cdef extern from *:
                         int64_t *found, double *below, double *at) nogil
     int64_t dg_cdf_search(const float *p, Py_ssize_t V, double target) nogil
 
-#: Queries processed together by one attention work item (each key row is read once per block).
-ATTENTION_QUERY_BLOCK = 16
-
-
-def attention_scratch_width(Py_ssize_t r, Py_ssize_t d, Py_ssize_t keys) -> int:
-    """Floats of per-thread scratch ``attention`` needs: transposed queries plus one block of scores."""
-    return (d + keys + 3) * ((ATTENTION_QUERY_BLOCK * r + 7) // 8 * 8)
 #: Entries of a row of logits the sampling pass handles as one block (kept in L1 between its loops).
 SAMPLING_BLOCK = DG_BLOCK
 
@@ -767,78 +647,27 @@ def heads(const float[:, :, ::1] proj, Py_ssize_t n_heads, Py_ssize_t n_kv, Py_s
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def attention(const float[:, :, :, ::1] q, const int64_t[::1] q_pos,
-              const float[:, :, :, ::1] cache_k, const float[:, :, :, ::1] cache_v, const int64_t[::1] cache_rows,
-              Py_ssize_t n_cache, const int64_t[::1] slot_pos, const uint8_t[:, ::1] cache_real,
-              const float[:, :, :, ::1] new_k, const float[:, :, :, ::1] new_v,
-              const int64_t[::1] new_pos, const uint8_t[:, ::1] new_real,
-              Py_ssize_t window, bint causal, float[:, ::1] scratch, float[:, :, ::1] out):
-    """Grouped-query attention (scale 1, float32 softmax) of queries over cached and fresh keys.
+def masked_softmax(float[:, ::1] scores, const int64_t[::1] q_pos, const int64_t[::1] key_pos,
+                   const uint8_t[::1] key_real, Py_ssize_t window, bint causal):
+    """Attention weights in place: a masked float32 softmax of every row of ``scores``.
 
-    q: (N, S, n_h, d) queries at positions q_pos (S,).
-    cache_k, cache_v: (B_c, g, slots, d) cache storage; query row n reads cache row cache_rows[n], slots
-        [0, n_cache); slot t holds position slot_pos[t] (-1: empty); cache_real (B_c, P) says whether a
-        position was a real token.
-    new_k, new_v: (N, g, S_new, d) fresh keys/values at positions new_pos (S_new,), realness new_real
-        (N, S_new) (S_new may be 0).
+    scores: (R, T) float32 raw scores q.k (scale 1); row i belongs to the query at position
+    ``q_pos[i % len(q_pos)]`` (rows of several heads of the same queries follow each other).
+    key_pos: (T,) int64 absolute position of each key (-1: an empty cache slot); key_real: (T,) uint8.
     Key t is visible from query position p iff it is real, ``(not causal or pos <= p)`` and
-    ``(window <= 0 or pos > p - window)``. KV head j serves query heads j*r .. j*r + r - 1 (r = n_h / g);
-    keys are never repeated in memory.
-    scratch: (threads, attention_scratch_width(r, d, n_cache + S_new)) float32 work space; its rows bound
-        the number of threads used. out: (N, S, n_h * d). A query with no visible key gets zeros.
-    Replaces ``reference.layers.attend`` together with the visibility of ``reference.masks``.
+    ``(window <= 0 or pos > p - window)``. Hidden keys get weight exactly 0 and a row with no visible
+    key is all zeros. Replaces the masking and softmax of ``reference.layers.attend`` with the visibility
+    rules of ``reference.masks``.
     """
-    cdef Py_ssize_t N = q.shape[0], S = q.shape[1], n_h = q.shape[2], d = q.shape[3]
-    cdef Py_ssize_t g = new_k.shape[1] if new_k.shape[2] > 0 else cache_k.shape[1]
-    cdef Py_ssize_t n_new = new_k.shape[2]
-    cdef Py_ssize_t T = n_cache + n_new
-    cdef int r = <int>(n_h // g)
-    cdef int QB = ATTENTION_QUERY_BLOCK
-    cdef Py_ssize_t blocks = (S + QB - 1) // QB
-    if out.shape[0] != N or out.shape[1] != S or out.shape[2] != n_h * d:
-        raise ValueError("attention output has the wrong shape")
-    if scratch.shape[1] < attention_scratch_width(r, d, T) or scratch.shape[0] < 1:
-        raise ValueError(f"attention scratch too small: {tuple(scratch.shape)[:2]}, "
-                         f"need (>=1, {attention_scratch_width(r, d, T)})")
-    if n_cache > 0 and (cache_k.shape[2] < n_cache or slot_pos.shape[0] < n_cache):
-        raise ValueError("n_cache exceeds the cache storage")
-    cdef int nt = _threads(N * g * blocks, 4.0 * QB * r * T * d)
-    if nt > scratch.shape[0]:
-        nt = <int>scratch.shape[0]
-    cdef Py_ssize_t item, n, j, blk, i0, nq, row, tid
-    cdef const float *ck
-    cdef const float *cv
-    cdef const float *nk
-    cdef const float *nv
-    cdef const uint8_t *creal
-    cdef const uint8_t *nreal
-    cdef Py_ssize_t ck_stride = cache_k.strides[2] // 4, nk_stride = new_k.strides[2] // 4
-    for item in prange(N * g * blocks, nogil=True, schedule="dynamic", num_threads=nt):
-        tid = threadid()
-        n = item // (g * blocks)
-        j = (item // blocks) % g
-        blk = item % blocks
-        i0 = blk * QB
-        nq = S - i0 if S - i0 < QB else QB
-        ck = NULL
-        cv = NULL
-        creal = NULL
-        if n_cache > 0:
-            row = cache_rows[n]
-            ck = &cache_k[row, j, 0, 0]
-            cv = &cache_v[row, j, 0, 0]
-            creal = &cache_real[row, 0]
-        nk = NULL
-        nv = NULL
-        nreal = NULL
-        if n_new > 0:
-            nk = &new_k[n, j, 0, 0]
-            nv = &new_v[n, j, 0, 0]
-            nreal = &new_real[n, 0]
-        dg_attend_block(&q[n, i0, j * r, 0], n_h * d, r, d, <int>nq, &q_pos[i0],
-                        ck, cv, ck_stride, n_cache, &slot_pos[0] if n_cache > 0 else NULL, creal,
-                        nk, nv, nk_stride, n_new, &new_pos[0] if n_new > 0 else NULL, nreal,
-                        window, causal, &scratch[tid, 0], &out[n, i0, j * r * d], n_h * d)
+    cdef Py_ssize_t R = scores.shape[0], T = scores.shape[1], S = q_pos.shape[0], i
+    if key_pos.shape[0] != T or key_real.shape[0] != T:
+        raise ValueError(f"key_pos / key_real must have {T} entries")
+    if S == 0 or R % S:
+        raise ValueError(f"{R} score rows are not a whole number of {S}-query groups")
+    if T == 0:
+        return
+    for i in prange(R, nogil=True, schedule="static", num_threads=_threads(R, 12 * T)):
+        dg_masked_softmax_row(&scores[i, 0], T, &key_pos[0], &key_real[0], q_pos[i % S], window, causal)
 
 
 # ============================================================================================ experts

@@ -8,7 +8,9 @@ summation order (see ``fast/_kernels.pyx`` for where the numbers can differ, and
 * weights are repacked once: q/k/v projections concatenated into one matrix per layer, gate and up
   projections of the dense MLP and of the self-conditioning MLP likewise, so each is one BLAS call;
 * matrix products run on NumPy's BLAS with ``out=`` into a ``Workspace`` of reused buffers; everything
-  between them (norms, RoPE, GELU, attention, routing, soft-cap) is a fused kernel of ``_kernels``;
+  between them (norms, RoPE, GELU, the masked attention softmax, routing, soft-cap) is a fused kernel
+  of ``_kernels``; attention (``fast.attention``) shares each KV head among its query heads as strided
+  views, never repeating keys or values;
 * the KV cache (``fast.cache.KVCache``) is preallocated; sliding layers are rings of ``W - 1`` slots;
 * experts run once per expert on the gathered block of tokens routed to it (tokens sorted by expert);
 * ``denoise`` can write into a caller's ``out`` array and computes the self-conditioning softmax in that
@@ -37,6 +39,7 @@ from diffusiongemma.reference.primitives import rope_inverse_frequencies
 from diffusiongemma.reference.weights import check_tensors
 
 from . import _kernels
+from .attention import attend
 from .cache import KVCache
 
 DEVICES = ("cpu",)  # devices this module can run on ("cuda" lives elsewhere)
@@ -390,10 +393,8 @@ class Model:
         else:
             n_cache, keys, values, key_pos, key_real = cache.cached_slots(l), new_k, new_v, positions, new_real
         window = config.sliding_window if (w.sliding and not decoder) else 0
-        T = n_cache + keys.shape[2]
-        scratch = ws.get("attn_scratch", (max(1, ops.max_threads()), ops.attention_scratch_width(n_h // g, d, T)))
-        ops.attention(q, positions, cache.keys[l], cache.values[l], rows, n_cache, cache.slot_positions[l],
-                      cache.real, keys, values, key_pos, key_real, window, not decoder, scratch, attn)
+        attend(self, q, positions, cache.keys[l], cache.values[l], rows, n_cache, cache.slot_positions[l],
+               cache.real, keys, values, key_pos, key_real, window, not decoder, attn)
         if not decoder and w.sliding:
             cache.store_sliding(l, new_k, new_v)
         o = ws.get("o", (M, H))

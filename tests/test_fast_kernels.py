@@ -157,10 +157,25 @@ def _reference_attention(q, keys, values, visible):
     return ref_layers.attend(q, keys, values, visible)
 
 
+def _fast_attention(*args):
+    from types import SimpleNamespace
+
+    from diffusiongemma.fast.attention import attend
+    from diffusiongemma.fast.model import Workspace
+
+    attend(SimpleNamespace(xp=np, ops=K, workspace=Workspace()), *args)
+
+
 @pytest.mark.parametrize("r", [1, 2, 4])
 @pytest.mark.parametrize("S", [1, 3, 11])
-def test_attention_decoder(r, S):
-    """Canvas queries over [retained cache (ring order) ++ canvas], bidirectional, GQA without repeats."""
+@pytest.mark.parametrize("budget", [None, 40])
+def test_attention_decoder(r, S, budget, monkeypatch):
+    """Canvas queries over [retained cache (ring order) ++ canvas], bidirectional, GQA without repeats;
+    ``budget`` forces the query chunking."""
+    from diffusiongemma.fast import attention
+
+    if budget:
+        monkeypatch.setattr(attention, "SCORE_BUDGET", budget)
     B, g, d, slots, L = 2, 2, 5, 6, 9
     n_h = g * r
     q = f32(B, S, n_h, d, scale=0.7)
@@ -171,10 +186,9 @@ def test_attention_decoder(r, S):
     real = (rng.random((B, L)) > 0.3).astype(np.uint8)
     new_k, new_v = f32(B, g, S, d, scale=0.7), f32(B, g, S, d)
     out = np.empty((B, S, n_h * d), dtype=np.float32)
-    scratch = np.empty((2, K.attention_scratch_width(r, d, slots + S)), dtype=np.float32)
     qpos = np.arange(L, L + S, dtype=np.int64)
-    K.attention(q, qpos, cache_k, cache_v, np.arange(B, dtype=np.int64), slots, positions, real, new_k, new_v,
-                qpos, np.ones((B, S), np.uint8), 0, False, scratch, out)
+    _fast_attention(q, qpos, cache_k, cache_v, np.arange(B, dtype=np.int64), slots, positions, real, new_k, new_v,
+                    qpos, np.ones((B, S), np.uint8), 0, False, out)
     order = np.argsort(positions)
     keys = np.concatenate([cache_k[:, :, order], new_k], axis=2)
     values = np.concatenate([cache_v[:, :, order], new_v], axis=2)
@@ -183,10 +197,16 @@ def test_attention_decoder(r, S):
 
 
 @pytest.mark.parametrize("window", [0, 3, 40])
-def test_attention_encoder_causal_window_and_padding(window):
+@pytest.mark.parametrize("budget", [None, 30])
+def test_attention_encoder_causal_window_and_padding(window, budget, monkeypatch):
     """Causal encoder attention with a window (also one larger than the cache), padding keys hidden,
-    and a padded query with no visible key (zero output, as the reference)."""
-    B, g, r, d, L, n = 2, 1, 3, 4, 4, 6
+    and a padded query with no visible key (zero output, as the reference); ``budget`` forces chunks
+    that drop keys outside the window."""
+    from diffusiongemma.fast import attention
+
+    if budget:
+        monkeypatch.setattr(attention, "SCORE_BUDGET", budget)
+    B, g, r, d, L, n = 2, 1, 3, 4, 4, 9
     n_h = g * r
     q = f32(B, n, n_h, d)
     cache_k, cache_v = f32(B, g, L, d), f32(B, g, L, d)
@@ -195,14 +215,20 @@ def test_attention_encoder_causal_window_and_padding(window):
     real[1, :L + 2] = 0  # row 1: everything up to position L+1 is padding
     qpos = np.arange(L, L + n, dtype=np.int64)
     out = np.empty((B, n, n_h * d), dtype=np.float32)
-    scratch = np.empty((1, K.attention_scratch_width(r, d, L + n)), dtype=np.float32)
-    K.attention(q, qpos, cache_k, cache_v, np.arange(B, dtype=np.int64), L, np.arange(L, dtype=np.int64), real,
-                new_k, new_v, qpos, np.ascontiguousarray(real[:, L:]), window, True, scratch, out)
+    _fast_attention(q, qpos, cache_k, cache_v, np.arange(B, dtype=np.int64), L, np.arange(L, dtype=np.int64), real,
+                    new_k, new_v, qpos, np.ascontiguousarray(real[:, L:]), window, True, out)
     keys, values = np.concatenate([cache_k, new_k], 2), np.concatenate([cache_v, new_v], 2)
     visible = encoder_visibility(qpos, np.arange(L + n), real.astype(bool), window or None)
     expect = _reference_attention(q, keys, values, visible)
     np.testing.assert_allclose(out, expect, rtol=1e-5, atol=2e-6)
     assert not out[1, :2].any()  # queries at L, L+1 of row 1 see no real key
+    # a full layer encoding straight into its cache: every key in cache slots, none "new"
+    slots_k, slots_v = np.concatenate([cache_k, new_k], 2), np.concatenate([cache_v, new_v], 2)
+    none = np.zeros((B, g, 0, d), np.float32)
+    _fast_attention(q, qpos, slots_k, slots_v, np.arange(B, dtype=np.int64), L + n, np.arange(L + n, dtype=np.int64),
+                    real, none, none, qpos[:0], real[:, :0].copy(), 0, True, out)
+    visible = encoder_visibility(qpos, np.arange(L + n), real.astype(bool), None)
+    np.testing.assert_allclose(out, _reference_attention(q, keys, values, visible), rtol=1e-5, atol=2e-6)
 
 
 # ------------------------------------------------------------------------------------------ experts
@@ -279,8 +305,7 @@ def test_parallel_and_serial_paths_agree():
 
     x, w = f32(64, 33), f32(33) + 1
     z = f32(40, 300, scale=5.0)
-    B, S, g, r, d = 2, 9, 2, 2, 8
-    q, kv = f32(B, S, g * r, d), f32(B, g, S, d)
+    S = 9
     qpos = np.arange(S, dtype=np.int64)
     outs = []
     for threshold in (1e30, 0.0):
@@ -293,11 +318,8 @@ def test_parallel_and_serial_paths_agree():
                 K.softmax(z, p)
                 c = z.copy()
                 K.softcap(c, np.float32(30))
-                att = np.empty((B, S, g * r * d), np.float32)
-                scratch = np.empty((2, K.attention_scratch_width(r, d, S)), np.float32)
-                empty = np.zeros((B, g, 0, d), np.float32)
-                K.attention(q, qpos, empty, empty, np.arange(B, dtype=np.int64), 0, qpos[:0],
-                            np.ones((B, 0), np.uint8), kv, kv, qpos, np.ones((B, S), np.uint8), 0, True, scratch, att)
+                att = (z[:36, :S] * 3).copy()  # 4 heads x 9 queries
+                K.masked_softmax(att, qpos, qpos, np.ones(S, np.uint8), 4, True)
                 probs, draft, H, sampled, flags = (np.empty_like(z), np.empty(40, np.int64), np.empty(40, np.float32),
                                                    np.empty(40, np.int64), np.zeros(40, np.intc))
                 K.sample_rows(z, probs, np.arange(40, dtype=np.int64), 0.7, np.linspace(0, 0.99, 40),
