@@ -4,14 +4,14 @@
 Everything here operates on float32 C-contiguous arrays (the last axis at least) and writes into
 caller-provided outputs, so that a denoising step allocates nothing. Large matrix products are *not*
 here: they stay on NumPy's BLAS (``numpy.matmul(..., out=...)``); these kernels cover what surrounds
-them: fused normalisations, rotary embedding, gated GELU, attention, the expert dispatch bookkeeping
-and the per-step sampling pass.
+them: fused normalisations, rotary embedding, gated GELU, the masked attention softmax, the expert
+dispatch bookkeeping and the per-step sampling pass.
 
 Numerics. Each kernel computes the same float32 formula as the reference function named in its
 docstring, with two kinds of deviation, both at float32 rounding level:
 
-* sums run in a different order (eight interleaved lanes, then a fixed tree), and the long ones
-  (norms, softmax denominators, entropies) accumulate in float64;
+* sums run in a different order (interleaved lanes, then a fixed tree), and the long ones (norms,
+  softmax denominators, entropies, cumulative probabilities) accumulate in float64;
 * ``exp`` and ``tanh`` come from the branch-free single-precision approximations below (Cody-Waite
   range reduction and the Cephes polynomials, within ~2 ulp of the correctly rounded value) instead
   of NumPy's, so that the compiler can vectorise the loops that use them.
@@ -114,17 +114,6 @@ cdef extern from *:
     static inline float dg_gelu(float x) {
         float y = 0.7978845834732056f * (x + 0.044715f * x * x * x);
         return x / (1.0f + dg_expf(-2.0f * y));
-    }
-
-    /* sum of a[i]*b[i] over eight interleaved float32 lanes, combined by a fixed tree */
-    static inline float dg_dot(const float *a, const float *b, Py_ssize_t n) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        Py_ssize_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
-        float tail = 0.0f;
-        for (; i < n; i++) tail += a[i] * b[i];
-        return (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) + tail;
     }
 
     /* sum of squares of x in float64 (four interleaved lanes) */
@@ -385,7 +374,6 @@ cdef extern from *:
     float dg_expf(float x) nogil
     float dg_tanhf(float x) nogil
     float dg_gelu(float x) nogil
-    float dg_dot(const float *a, const float *b, Py_ssize_t n) nogil
     float dg_rms_factor(const float *x, Py_ssize_t n, float eps) nogil
     void dg_scale_row(const float *x, float factor, const float *w, Py_ssize_t n, float *out) nogil
     void dg_residual_row(float *h, const float *y, float factor, const float *w, float scalar, Py_ssize_t n) nogil
