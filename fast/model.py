@@ -35,8 +35,9 @@ import numpy as np
 
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.errors import ConfigError, InputError
+from diffusiongemma.reference.model import check_attention_mask, check_token_ids
 from diffusiongemma.reference.primitives import rope_inverse_frequencies
-from diffusiongemma.reference.weights import check_tensors
+from diffusiongemma.reference.weights import check_tensors, load_checkpoint
 
 from . import _kernels
 from .attention import attend
@@ -180,19 +181,12 @@ class Model:
     def from_pretrained(cls, path: str | os.PathLike, device: str = "cpu") -> "Model":
         """Load a converted checkpoint directory or a transformers checkpoint directory.
 
-        Reading is the reference's (``reference.model.Model.from_pretrained``: same formats, same
+        Reading is the reference's (``reference.weights.load_checkpoint``: same formats, same
         ``CheckpointError`` / ``ConfigError``); ``device`` must be "cpu" (``ConfigError`` otherwise,
-        raised before anything is read). A ``generation_config`` the reference attaches is kept.
+        raised before anything is read).
         """
         check_device(device)
-        from diffusiongemma.reference.model import Model as ReferenceModel
-
-        reference = ReferenceModel.from_pretrained(path)
-        model = cls(reference.config, reference.tensors, device=device)
-        generation_config = getattr(reference, "generation_config", None)
-        if generation_config is not None:
-            model.generation_config = generation_config
-        return model
+        return cls(*load_checkpoint(path), device=device)
 
     def new_cache(self, batch_size: int, capacity: int = 0) -> KVCache:
         """An empty fast KV cache for ``batch_size`` rows; ``capacity`` pre-sizes it (positions).
@@ -201,21 +195,11 @@ class Model:
         """
         return KVCache(self.config, batch_size, capacity)
 
-    # ------------------------------------------------------------------ input checks (reference wording)
+    # ------------------------------------------------------------------ input checks (the reference's)
     def _check_ids(self, name: str, ids: np.ndarray, cache: KVCache) -> np.ndarray:
-        ids = np.asarray(ids)
-        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise InputError(f"{name} must be a 2-D integer array (batch, tokens), got shape {ids.shape} "
-                             f"dtype {ids.dtype}")
         if not isinstance(cache, KVCache):
             raise InputError(f"cache must be a KVCache from Model.new_cache, got {type(cache).__name__}")
-        if ids.shape[0] != cache.batch_size:
-            raise InputError(f"{name} has batch size {ids.shape[0]} but the cache was made for "
-                             f"batch size {cache.batch_size}")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-            bad = ids[(ids < 0) | (ids >= self.config.vocab_size)].ravel()[0]
-            raise InputError(f"{name} holds token id {int(bad)} outside [0, vocab_size={self.config.vocab_size})")
-        return np.ascontiguousarray(ids, dtype=np.int64)
+        return check_token_ids(name, ids, cache.batch_size, self.config.vocab_size)
 
     # ------------------------------------------------------------------ encoder
     def encode(self, input_ids: np.ndarray, cache: KVCache, attention_mask: np.ndarray | None = None) -> np.ndarray:
@@ -233,15 +217,7 @@ class Model:
         B, n = ids.shape
         if n == 0:
             raise InputError("input_ids has no tokens (shape (B, 0))")
-        if attention_mask is None:
-            mask = np.ones((B, n), dtype=np.uint8)
-        else:
-            mask = np.asarray(attention_mask)
-            if mask.shape != (B, n):
-                raise InputError(f"attention_mask has shape {mask.shape}, expected {(B, n)} like input_ids")
-            if not np.isin(mask, (0, 1)).all():
-                raise InputError("attention_mask must hold only 0 and 1")
-            mask = np.ascontiguousarray(mask, dtype=np.uint8)
+        mask = check_attention_mask(attention_mask, (B, n)).astype(np.uint8)
         config, ops, ws = self.config, self.ops, self.workspace
         L = cache.length
         positions = L + np.arange(n, dtype=np.int64)  # (n,)
