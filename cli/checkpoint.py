@@ -30,12 +30,19 @@ def load_model(path: str, backend: str = "reference"):
         from diffusiongemma.reference.model import Model
 
         return Model.from_pretrained(path)
+    return _backend_module(backend).Model.from_pretrained(path, device={"cpu": "cpu", "gpu": "cuda"}[backend])
+
+
+def _backend_module(backend: str):
+    """``diffusiongemma.fast`` (cpu) or ``diffusiongemma.fast.gpu`` (gpu); RuntimeError when unavailable."""
     try:
-        from diffusiongemma import fast
+        if backend == "gpu":
+            from diffusiongemma.fast import gpu as module
+        else:
+            from diffusiongemma import fast as module
     except ImportError as exc:  # pragma: no cover - depends on the build
-        raise RuntimeError(f"backend {backend!r} needs the compiled fast path, which failed to import: {exc}") from exc
-    device = {"cpu": "cpu", "gpu": "cuda"}[backend]
-    return fast.Model.from_pretrained(path, device=device)
+        raise RuntimeError(f"backend {backend!r} failed to import (is the compiled extension built?): {exc}") from exc
+    return module
 
 
 def generate_function(backend: str):
@@ -44,9 +51,7 @@ def generate_function(backend: str):
         from diffusiongemma.reference.generate import generate
 
         return generate
-    from diffusiongemma import fast
-
-    return fast.generate
+    return _backend_module(backend).generate
 
 
 @dataclass

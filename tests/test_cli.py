@@ -132,3 +132,18 @@ def test_chat_without_template_is_an_error(tmp_path, capsys):
         config.write_text(json.dumps(data))
     assert main(["generate", "hi", "--chat", "--model", str(bare), *SMALL]) == 2
     assert "no chat template" in capsys.readouterr().err
+
+
+def test_cpu_backend_gives_the_reference_tokens(capsys):
+    ref = run_json(capsys, "And God said", "--seed", "4")
+    cpu = run_json(capsys, "And God said", "--seed", "4", "--backend", "cpu")
+    assert cpu["backend"] == "cpu" and cpu["token_ids"] == ref["token_ids"]
+
+
+def test_gpu_backend_without_cupy_is_a_clear_error(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here; the GPU suite (tests/test_gpu_*.py) covers this backend")
+    assert main(["generate", "hi", "--backend", "gpu", *SMALL]) == 2
+    assert "needs CuPy" in capsys.readouterr().err
