@@ -29,13 +29,12 @@ from typing import Any
 import numpy as np
 
 from diffusiongemma.reference.draws import DrawSource, SeededDraws, as_draw_source
-from diffusiongemma.reference.generate import (CanvasInfo, GenerationConfig, GenerationResult, StepInfo,
-                                               check_prompt, check_special_ids, check_start_canvas,
-                                               check_start_sc_logits, new_token_budget, notify, readonly,
+from diffusiongemma.reference.generate import (GenerationConfig, GenerationResult, StepInfo, check_prompt,
+                                               check_special_ids, check_start_canvas, check_start_sc_logits,
+                                               commit_canvas, finish_run, new_token_budget, notify, readonly,
                                                resolve_config, run_denoiser)
-from diffusiongemma.reference.sampling import (StableAndConfident, entropy_bound_accept, finalize_canvas,
-                                               freeze_rows, renoise, scale_logits, temperature,
-                                               tokens_per_forward)
+from diffusiongemma.reference.sampling import (StableAndConfident, entropy_bound_accept, freeze_rows, renoise,
+                                               scale_logits, temperature)
 
 from .cache import KVCache
 from .model import Model
@@ -102,14 +101,8 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
             draft, steps = loop.run(k, canvas, sc_logits, cache, ended, forward_passes, step_bar)
             steps_per_canvas.append(steps)
 
-            reached_max_length = None
-            if config.max_length is not None:
-                reached_max_length = np.full(B, sequences.shape[1] + C >= config.max_length)
-            tokens, ended = finalize_canvas(draft, ended, config.eos_token_id, config.pad_token_id,
-                                            reached_max_length)
-            sequences = np.concatenate([sequences, tokens], axis=1)
+            sequences, tokens, ended = commit_canvas(k, draft, steps, sequences, ended, config, callback)
             canvas_bar.update(1)
-            notify(callback, "on_canvas", CanvasInfo(k, readonly(tokens), readonly(ended.copy()), steps))
             if ended.all():
                 break
             new_ids = tokens
@@ -118,15 +111,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
         step_bar.close()
         canvas_bar.close()
 
-    result = GenerationResult(
-        sequences=sequences,
-        tokens_per_forward=tokens_per_forward(sequences[:, P:], forward_passes, config.pad_token_id),
-        steps_per_canvas=steps_per_canvas,
-        forward_passes=forward_passes,
-        cache=cache,
-    )
-    notify(callback, "on_end", result)
-    return result
+    return finish_run(sequences, P, forward_passes, steps_per_canvas, cache, config, callback)
 
 
 class _CanvasLoop:

@@ -51,8 +51,7 @@ from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.draws import SeededDraws, as_draw_source
 from diffusiongemma.reference.errors import InputError, SamplingError
 from diffusiongemma.reference.primitives import rope_inverse_frequencies
-from diffusiongemma.reference.sampling import (StableAndConfident, finalize_canvas, temperature,
-                                               tokens_per_forward)
+from diffusiongemma.reference.sampling import StableAndConfident, temperature
 from diffusiongemma.reference.model import check_attention_mask, check_token_ids
 from diffusiongemma.reference.weights import check_tensors, load_checkpoint
 
@@ -730,14 +729,8 @@ def _generate(model: Model, input_ids: Any, attention_mask: Any, generation_conf
                 draft, steps = _denoise_canvas(k, canvas, start_sc if k == 0 else None, cache, state, stopper, config,
                                                ended, forward_passes, callback, step_bar)
                 steps_per_canvas.append(steps)
-                reached_max_length = None
-                if config.max_length is not None:
-                    reached_max_length = np.full(B, sequences.shape[1] + C >= config.max_length)
-                tokens, ended = finalize_canvas(draft, ended, config.eos_token_id, config.pad_token_id,
-                                                reached_max_length)
-                sequences = np.concatenate([sequences, tokens], axis=1)
+                sequences, tokens, ended = R.commit_canvas(k, draft, steps, sequences, ended, config, callback)
                 canvas_bar.update(1)
-                R.notify(callback, "on_canvas", R.CanvasInfo(k, R.readonly(tokens), R.readonly(ended.copy()), steps))
                 if ended.all():
                     break
                 new_ids = tokens
@@ -745,15 +738,7 @@ def _generate(model: Model, input_ids: Any, attention_mask: Any, generation_conf
         finally:
             step_bar.close()
             canvas_bar.close()
-    result = R.GenerationResult(
-        sequences=sequences,
-        tokens_per_forward=tokens_per_forward(sequences[:, P:], forward_passes, config.pad_token_id),
-        steps_per_canvas=steps_per_canvas,
-        forward_passes=forward_passes,
-        cache=cache,
-    )
-    R.notify(callback, "on_end", result)
-    return result
+    return R.finish_run(sequences, P, forward_passes, steps_per_canvas, cache, config, callback)
 
 
 class _DeviceSampler:

@@ -41,7 +41,7 @@ from .sampling import (StableAndConfident, argmax_tokens, check_logits, entropy_
 __all__ = ["GenerationConfig", "GenerationResult", "GenerationCallback", "StepInfo", "CanvasInfo", "generate",
            # the loop's plumbing, shared with the fast paths (fast/generate.py, fast/gpu.py):
            "resolve_config", "check_special_ids", "check_prompt", "check_start_canvas", "check_start_sc_logits",
-           "new_token_budget", "run_denoiser", "notify", "readonly"]
+           "new_token_budget", "run_denoiser", "notify", "readonly", "commit_canvas", "finish_run"]
 
 DEFAULT_MAX_NEW_TOKENS = 256  # transformers lets max_length take over only while max_new_tokens has this value
 SAMPLER_CLASS_NAME = "EntropyBoundSamplerConfig"  # the only sampler transformers knows
@@ -402,16 +402,10 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
                                            forward_passes, callback, step_bar, V, trace)
             steps_per_canvas.append(steps)
 
-            reached_max_length = None
-            if config.max_length is not None:  # transformers' MaxLengthCriteria, only when the user set it
-                reached_max_length = np.full(B, sequences.shape[1] + C >= config.max_length)
-            tokens, ended = finalize_canvas(draft, ended, config.eos_token_id, config.pad_token_id,
-                                            reached_max_length)
-            sequences = np.concatenate([sequences, tokens], axis=1)
+            sequences, tokens, ended = commit_canvas(k, draft, steps, sequences, ended, config, callback)
             if trace is not None:
                 trace.commit(tokens, ended)
             canvas_bar.update(1)
-            notify(callback, "on_canvas", CanvasInfo(k, readonly(tokens), readonly(ended.copy()), steps))
             if ended.all():
                 break
             new_ids = tokens
@@ -420,15 +414,41 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
         step_bar.close()
         canvas_bar.close()
 
+    if trace is not None:
+        trace.end_run(sequences)
+    return finish_run(sequences, P, forward_passes, steps_per_canvas, cache, config, callback)
+
+
+def commit_canvas(k: int, draft: np.ndarray, steps: int, sequences: np.ndarray, ended: np.ndarray,
+                  config: GenerationConfig, callback: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Commit canvas ``k``'s draft (SPEC §8.2 steps 4-5) and report it to the callback.
+
+    draft: (B, C) int64 argmax canvas; sequences: (B, T) int64 so far; ended: (B,) bool rows already over.
+    Applies the EOS/pad rules (``finalize_canvas``), plus transformers' MaxLengthCriteria when the user set
+    ``max_length`` (it compares the output's columns, the cache not counted). Returns (sequences with the
+    C new columns, the committed tokens (B, C), the new ended flags (B,)). Shared by every backend's loop.
+    """
+    B, C = draft.shape
+    reached_max_length = None
+    if config.max_length is not None:
+        reached_max_length = np.full(B, sequences.shape[1] + C >= config.max_length)
+    tokens, ended = finalize_canvas(draft, ended, config.eos_token_id, config.pad_token_id, reached_max_length)
+    sequences = np.concatenate([sequences, tokens], axis=1)
+    notify(callback, "on_canvas", CanvasInfo(k, readonly(tokens), readonly(ended.copy()), steps))
+    return sequences, tokens, ended
+
+
+def finish_run(sequences: np.ndarray, prompt_length: int, forward_passes: np.ndarray, steps_per_canvas: list[int],
+               cache: Any, config: GenerationConfig, callback: Any) -> GenerationResult:
+    """Build the ``GenerationResult`` (tokens per forward over the columns after the prompt) and report it
+    to the callback's ``on_end``. Shared by every backend's loop."""
     result = GenerationResult(
         sequences=sequences,
-        tokens_per_forward=tokens_per_forward(sequences[:, P:], forward_passes, config.pad_token_id),
+        tokens_per_forward=tokens_per_forward(sequences[:, prompt_length:], forward_passes, config.pad_token_id),
         steps_per_canvas=steps_per_canvas,
         forward_passes=forward_passes,
         cache=cache,
     )
-    if trace is not None:
-        trace.end_run(sequences)
     notify(callback, "on_end", result)
     return result
 
