@@ -3,9 +3,10 @@
 The repository keeps one top-level folder per concept; they install under a single import
 namespace so that nothing called ``reference`` or ``fast`` lands at the top of site-packages:
 
-    cli/               -> diffusiongemma            (package root: version, command line)
+    diffusiongemma/    -> diffusiongemma            (package root: checkpoints, tokenizer, command line,
+                                                 golden traces, the shipped model)
     reference/         -> diffusiongemma.reference  (pure-NumPy specification)
-    fast/              -> diffusiongemma.fast       (Cython/OpenMP CPU kernels, CuPy GPU kernels)
+    fast/              -> diffusiongemma.fast       (Cython/OpenMP CPU kernels; fast/gpu: CuPy + CUDA)
     weights_converter/ -> diffusiongemma.weights_converter
 
 Cython extensions are compiled with OpenMP when the compiler accepts ``-fopenmp`` and serially
@@ -23,9 +24,12 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 PACKAGE_DIRS = {
-    "diffusiongemma": "cli",
+    "diffusiongemma": "diffusiongemma",
+    "diffusiongemma.cli": "diffusiongemma/cli",
+    "diffusiongemma.trace": "diffusiongemma/trace",
     "diffusiongemma.reference": "reference",
     "diffusiongemma.fast": "fast",
+    "diffusiongemma.fast.gpu": "fast/gpu",
     "diffusiongemma.weights_converter": "weights_converter",
 }
 
@@ -88,7 +92,8 @@ setup(
     package_dir=PACKAGE_DIRS,
     packages=list(PACKAGE_DIRS),
     package_data={
-        "diffusiongemma.fast": ["*.pyx", "*.pxd", "*.cu", "*.cuh", "cuda/*.cu", "cuda/*.cuh"],
+        "diffusiongemma.fast": ["*.pyx", "*.pxd"],
+        "diffusiongemma.fast.gpu": ["cuda/*.cu", "cuda/*.cuh"],
         "diffusiongemma": ["assets/*", "assets/*/*"],
     },
     ext_modules=_extensions(),
@@ -114,7 +119,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "diffusiongemma = diffusiongemma.main:main",
+            "diffusiongemma = diffusiongemma.cli.main:main",
             "diffusiongemma-convert = diffusiongemma.weights_converter.cli:main",
         ],
     },

@@ -13,7 +13,7 @@ OMP_NUM_THREADS is set to the largest count before anything is imported):
   float32 GEMM rate on a 2048^3 product in the same run.
 
 Each timing is the best of ``--repeats`` runs (wall clock). The machine line, thread counts and the git
-commit are printed first. Weights are random (``fast.testing.random_tensors``); timings do not depend on
+commit are printed first. Weights are random (``tests.random_weights.random_tensors``); timings do not depend on
 their values except through adaptive stopping, which is off.
 """
 
@@ -36,7 +36,8 @@ import numpy as np  # noqa: E402
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
 from diffusiongemma import fast  # noqa: E402
-from diffusiongemma.fast.testing import make_config, random_tensors  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the tests package
+from tests.random_weights import make_config, random_tensors  # noqa: E402
 from diffusiongemma.reference.draws import SeededDraws  # noqa: E402
 from diffusiongemma.reference.generate import generate as reference_generate  # noqa: E402
 from diffusiongemma.reference.model import Model as ReferenceModel  # noqa: E402
@@ -44,7 +45,6 @@ from diffusiongemma.reference.sampling import (argmax_tokens, check_logits, entr
                                                renoise, scale_logits, softmax_and_entropy)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # hf_tiny: transformers configs with a tiny vision tower
 
 
 @dataclass
@@ -106,7 +106,7 @@ def git_commit() -> str:
 def transformers_model(config, tensors):
     """A transformers DiffusionGemmaForBlockDiffusion (fp32, eager) holding exactly ``tensors``."""
     import torch
-    from hf_tiny import SLIDING, TinySpec, hf_config
+    from tests.hf_tiny import SLIDING, TinySpec, hf_config
     from transformers import DiffusionGemmaForBlockDiffusion
 
     from diffusiongemma.weights_converter.names import hf_name

@@ -13,7 +13,7 @@ Prints:
 
 Usage::
 
-    OMP_NUM_THREADS=1 python examples/evaluate_tiny.py --model cli/assets/tiny-kjv
+    OMP_NUM_THREADS=1 python examples/evaluate_tiny.py --model diffusiongemma/assets/tiny-kjv
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import numpy as np
 
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.generate import GenerationConfig
-from diffusiongemma.reference.trace import DEFAULT_TOP_K, TraceRecorder, layers_by_default
+from diffusiongemma.trace import DEFAULT_TOP_K, TraceRecorder, layers_by_default
 
 
 def hf_generate_kwargs(config: GenerationConfig) -> dict[str, Any]:

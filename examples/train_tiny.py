@@ -27,7 +27,7 @@ Importing this module has no side effects (torch/transformers are imported insid
 
 Usage (after ``python examples/prepare_data.py``)::
 
-    OMP_NUM_THREADS=1 python examples/train_tiny.py --out cli/assets/tiny-kjv --max-minutes 70
+    OMP_NUM_THREADS=1 python examples/train_tiny.py --out diffusiongemma/assets/tiny-kjv --max-minutes 70
 """
 
 from __future__ import annotations

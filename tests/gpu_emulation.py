@@ -16,7 +16,7 @@ import contextlib
 
 import numpy as np
 
-from diffusiongemma.fast import gpu_launch as gl
+from diffusiongemma.fast.gpu import launch as gl
 from diffusiongemma.reference import sampling as S
 from diffusiongemma.reference.primitives import gelu_tanh
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from diffusiongemma.checkpoint import default_model_dir, load_text_side
-from diffusiongemma.main import main
+from diffusiongemma.cli.main import main
 
 SMALL = ["--max-new-tokens", "40", "--steps", "6", "--no-progress"]
 

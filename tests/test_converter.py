@@ -28,7 +28,7 @@ from diffusiongemma.weights_converter import cli, conversion
 from diffusiongemma.weights_converter.names import hf_name, project_name, skipped_group, tied_source
 from diffusiongemma.weights_converter.writer import to_storage
 
-from hf_tiny import TinySpec, tiny_model
+from tests.hf_tiny import TinySpec, tiny_model
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SINGLE = "model.safetensors"
@@ -152,7 +152,7 @@ def assert_no_output(dst) -> None:
 @pytest.mark.parametrize("spec", [TinySpec(), TinySpec(layer_types=["full_attention"] * 2)])
 def test_name_rules_are_inverse_and_cover_the_format(spec):
     from diffusiongemma.reference.config import ModelConfig
-    from hf_tiny import hf_config
+    from tests.hf_tiny import hf_config
 
     config = ModelConfig.from_transformers(hf_config(spec).to_dict())
     names = list(expected_shapes(config))

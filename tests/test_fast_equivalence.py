@@ -2,7 +2,7 @@
 
 Hypothesis draws configurations (layer patterns, head dims including non-multiples of the vector width,
 GQA ratios 1..4, windows shorter and longer than the cache, experts / top-k, vocabulary, canvas down to
-one position), random weights (``fast.testing.random_tensors``, SPEC §14 perturbations), prompts with and
+one position), random weights (``tests.random_weights.random_tensors``, SPEC §14 perturbations), prompts with and
 without left padding, and canvases; then runs prefill, denoise without and with self-conditioning, an
 incremental encode of the canvas and a second denoise on both implementations.
 
@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from diffusiongemma import fast
 from diffusiongemma.fast.cache import KVCache
-from diffusiongemma.fast.testing import make_config, random_tensors
+from tests.random_weights import make_config, random_tensors
 from diffusiongemma.reference import layers as ref_layers
 from diffusiongemma.reference.errors import CheckpointError, ConfigError, InputError
 from diffusiongemma.reference.model import Model as RefModel

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from diffusiongemma import fast
-from diffusiongemma.fast.testing import make_config, random_tensors
+from tests.random_weights import make_config, random_tensors
 from diffusiongemma.reference.draws import RecordingDraws, ReplayDraws, SeededDraws
 from diffusiongemma.reference.errors import ConfigError, InputError, SamplingError
 from diffusiongemma.reference.generate import generate as reference_generate
@@ -209,7 +209,7 @@ def test_external_denoiser_on_a_chaotic_model():
 def test_random_weights_are_chaotic():
     """Documents why the other tests scale the self-conditioning path down: on default random weights
     the float32 reference and its float64 evaluation disagree after a few steps."""
-    from test_fast_equivalence import float64_reference
+    from tests.test_fast_equivalence import float64_reference
 
     ref, _ = pair(1.0, contractive=False)
     wide = float64_reference(ref)

@@ -18,7 +18,7 @@ from diffusiongemma.reference import layers as ref_layers
 from diffusiongemma.reference.config import FULL, SLIDING, RopeParameters
 from diffusiongemma.reference.masks import decoder_visibility, encoder_visibility
 from diffusiongemma.reference.primitives import apply_rope, embed, gelu_tanh, rms_norm, rope_cos_sin, softcap
-from diffusiongemma.fast.testing import make_config
+from tests.random_weights import make_config
 
 EPS = 1e-6
 rng = np.random.default_rng(1234)

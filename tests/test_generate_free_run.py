@@ -40,8 +40,8 @@ from diffusiongemma.reference.generate import generate
 from diffusiongemma.reference.model import Model
 from diffusiongemma.reference.sampling import (argmax_tokens, entropy_bound_accept, scale_logits,
                                                softmax_and_entropy, temperature)
-from hf_tiny import TinySpec, save_tiny, tiny_model
-from test_generate_parity import record_transformers
+from tests.hf_tiny import TinySpec, save_tiny, tiny_model
+from tests.test_generate_parity import record_transformers
 
 GAIN = 25.0  # final-norm gain of the tiny model: peaked logits, and 25x the hidden-state noise
 LOGIT_ATOL = 4e-4 * GAIN  # twice test_model_parity's ATOL (self-conditioning feeds peaked logits back), x gain

@@ -44,7 +44,7 @@ import pytest
 
 from diffusiongemma.reference.draws import ReplayDraws
 from diffusiongemma.reference.generate import generate
-from hf_tiny import TinySpec, tiny_model
+from tests.hf_tiny import TinySpec, tiny_model
 
 torch = pytest.importorskip("torch")
 

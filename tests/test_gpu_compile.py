@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from diffusiongemma.fast import cuda_build as cb
-from diffusiongemma.fast import gpu_launch as gl
+from diffusiongemma.fast.gpu import build as cb
+from diffusiongemma.fast.gpu import launch as gl
 
 ARCHS = ("sm_80", "sm_90")
 # kernels that run once per layer or per step on big operands: a spill there costs real time

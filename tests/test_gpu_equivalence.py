@@ -26,7 +26,7 @@ from diffusiongemma.reference.draws import SeededDraws
 from diffusiongemma.reference.generate import generate as reference_generate
 from diffusiongemma.reference.model import Model as ReferenceModel
 from diffusiongemma.reference.primitives import softcap
-from test_gpu_host import FULL, SLIDING, Recorder, close, fake_logits, random_tensors, tiny_config
+from tests.test_gpu_host import FULL, SLIDING, Recorder, close, fake_logits, random_tensors, tiny_config
 
 # DIFFUSIONGEMMA_GPU_TESTS_ON_EMULATOR=1 runs these tests on the CPU emulator (tests/gpu_emulation.py): a dry
 # run of the test code itself, not a check of the kernels.
@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=f"no usable GPU
 @pytest.fixture(scope="module")
 def device():
     if EMULATE:
-        from gpu_emulation import EmulatedDevice
+        from tests.gpu_emulation import EmulatedDevice
 
         return EmulatedDevice()
     return gpu.CupyDevice("cuda")
@@ -99,7 +99,7 @@ def test_larger_config_matches_reference(device):
 
 # ------------------------------------------------------------------------------------------------ sampling kernels
 def test_sampling_kernel_matches_reference(device):
-    from diffusiongemma.fast import gpu_launch as gl
+    from diffusiongemma.fast.gpu import launch as gl
 
     rng = np.random.default_rng(7)
     R, V = 48, 70_001
@@ -127,7 +127,7 @@ def test_sampling_kernel_matches_reference(device):
 
 
 def test_accept_renoise_kernel_is_exact(device):
-    from diffusiongemma.fast import gpu_launch as gl
+    from diffusiongemma.fast.gpu import launch as gl
 
     rng = np.random.default_rng(3)
     B, C = 5, 256
@@ -213,8 +213,8 @@ def test_seeded_generate_first_step_matches_reference(device):
 def test_logits_match_transformers(device, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from hf_oracle import hf_cache, hf_denoise, hf_encode
-    from hf_tiny import save_tiny, tiny_model
+    from tests.hf_oracle import hf_cache, hf_denoise, hf_encode
+    from tests.hf_tiny import save_tiny, tiny_model
 
     hf = tiny_model()
     fast = gpu.Model.from_pretrained(save_tiny(hf, tmp_path / "hf"), device=device)

@@ -25,7 +25,7 @@ from diffusiongemma.reference.errors import InputError, SamplingError
 from diffusiongemma.reference.generate import generate as reference_generate
 from diffusiongemma.reference.model import Model as ReferenceModel
 from diffusiongemma.reference.weights import expected_shapes
-from gpu_emulation import EmulatedDevice
+from tests.gpu_emulation import EmulatedDevice
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diffusiongemma.fast import gpu
-from diffusiongemma.fast import gpu_launch as gl
-from gpu_emulation import dg_group_experts
+from diffusiongemma.fast.gpu import launch as gl
+from tests.gpu_emulation import dg_group_experts
 
 f32, i64, i32, u8 = np.float32, np.int64, np.int32, np.uint8
 

@@ -7,7 +7,7 @@ import pytest
 
 from diffusiongemma.reference import CheckpointError, ConfigError, InputError, ModelConfig
 from diffusiongemma.reference.model import Model
-from hf_tiny import TinySpec, save_tiny, tiny_model
+from tests.hf_tiny import TinySpec, save_tiny, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from diffusiongemma.reference import cache as cache_module
 from diffusiongemma.reference import layers as layers_module
 from diffusiongemma.reference import model as model_module
 from diffusiongemma.reference.model import Model
-from hf_oracle import hf_cache, hf_denoise, hf_encode
-from hf_tiny import TinySpec, save_tiny, tiny_model
-from test_model_parity import ATOL
+from tests.hf_oracle import hf_cache, hf_denoise, hf_encode
+from tests.hf_tiny import TinySpec, save_tiny, tiny_model
+from tests.test_model_parity import ATOL
 
 
 @pytest.fixture(scope="module")

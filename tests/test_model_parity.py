@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffusiongemma.reference.model import Model
-from hf_oracle import hf_cache, hf_cache_arrays, hf_denoise, hf_encode, max_diff_report
-from hf_tiny import FULL, SLIDING, TinySpec, save_tiny, tiny_model
+from tests.hf_oracle import hf_cache, hf_cache_arrays, hf_denoise, hf_encode, max_diff_report
+from tests.hf_tiny import FULL, SLIDING, TinySpec, save_tiny, tiny_model
 
 ATOL = 2e-4
 

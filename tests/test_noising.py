@@ -326,7 +326,7 @@ def test_train_script_losses_match_reference(reduction):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from hf_tiny import TinySpec, tiny_model
+    from tests.hf_tiny import TinySpec, tiny_model
 
     torch.set_num_threads(1)
     return tiny_model(TinySpec(vocab_size=128, canvas_length=4, sliding_window=8), seed=3)

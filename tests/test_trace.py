@@ -18,12 +18,13 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from diffusiongemma.checkpoint import default_model_dir
-from diffusiongemma.main import main
+from diffusiongemma.cli.main import main
 from diffusiongemma.reference.draws import ReplayDraws
 from diffusiongemma.reference.generate import GenerationConfig, generate
 from diffusiongemma.reference.model import Model
-from diffusiongemma.reference.trace import (DEFAULT_ATOL, METADATA_KEY, Row, Trace, TraceError, TraceRecorder,
-                                            _compare_topk_ids, compare_traces, format_report, summarize_logits)
+from diffusiongemma.trace import (DEFAULT_ATOL, METADATA_KEY, Row, Trace, TraceError, TraceRecorder, compare_traces,
+                                  format_report, summarize_logits)
+from diffusiongemma.trace.compare import _compare_topk_ids
 
 SETTINGS = GenerationConfig(max_new_tokens=33, max_denoising_steps=3, stability_threshold=1,
                             confidence_threshold=0.005, eos_token_id=(), pad_token_id=0)  # no EOS: two canvases

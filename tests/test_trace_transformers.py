@@ -19,12 +19,12 @@ import os
 import numpy as np
 import pytest
 
-from diffusiongemma.main import main
+from diffusiongemma.cli.main import main
 from diffusiongemma.reference.draws import ReplayDraws
 from diffusiongemma.reference.generate import GenerationConfig, generate
 from diffusiongemma.reference.model import Model
-from diffusiongemma.reference.trace import Trace, TraceRecorder, compare_traces, format_report, record_generate
-from hf_tiny import TinySpec, save_tiny, tiny_model
+from diffusiongemma.trace import Trace, TraceRecorder, compare_traces, format_report, record_generate
+from tests.hf_tiny import TinySpec, save_tiny, tiny_model
 
 torch = pytest.importorskip("torch")
 

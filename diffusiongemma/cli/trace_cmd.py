@@ -24,7 +24,7 @@ TRACE_BACKENDS = ("reference", "cpu")  # the GPU path is not traced yet (its arr
 
 def add_commands(commands) -> None:
     """Register ``trace`` and ``compare`` on the ``diffusiongemma`` subparsers."""
-    from diffusiongemma.reference.trace import DEFAULT_ATOL, DEFAULT_RTOL, DEFAULT_TOP_K
+    from diffusiongemma.trace import DEFAULT_ATOL, DEFAULT_RTOL, DEFAULT_TOP_K
 
     trace = commands.add_parser("trace", help="record a golden trace of one generation run",
                                 description="Record every intermediate of one generation run (encoder K/V, "
@@ -75,7 +75,7 @@ def run_command(args) -> int:
 
 
 def run_compare(args) -> int:
-    from diffusiongemma.reference.trace import Trace, compare_traces, format_report
+    from diffusiongemma.trace import Trace, compare_traces, format_report
 
     with Trace(args.a) as a, Trace(args.b) as b:
         comparison = compare_traces(a, b, atol=args.atol, rtol=args.rtol)
@@ -85,7 +85,7 @@ def run_compare(args) -> int:
 
 def run_trace(args) -> int:
     from diffusiongemma.reference.draws import ReplayDraws
-    from diffusiongemma.reference.trace import TraceRecorder, layers_by_default, record_generate
+    from diffusiongemma.trace import TraceRecorder, layers_by_default, record_generate
 
     from .checkpoint import default_model_dir, generate_function, load_model
 
@@ -149,7 +149,7 @@ def _settings(args, path: str, model_config):
 def _replayed_run(args, model_config):
     """Prompt, mask, settings and draw tape of the trace given to --replay."""
     from diffusiongemma.reference.generate import GenerationConfig
-    from diffusiongemma.reference.trace import Trace, TraceError
+    from diffusiongemma.trace import Trace, TraceError
 
     given = [flag for flag, value in (("--seed", args.seed), ("--max-new-tokens", args.max_new_tokens),
                                       ("--steps", args.steps)) if value is not None]

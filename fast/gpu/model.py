@@ -7,8 +7,8 @@
 Same interface as ``diffusiongemma.reference`` (``Model.from_pretrained(path, device="cuda")``,
 ``new_cache``, ``encode``, ``denoise``, and ``generate`` with the reference's arguments and random-draw
 contract), same numbers up to float32 rounding: every weight is float32 on the device, matrix products go
-through cuBLAS (``xp.matmul``, no TF32), and the rest runs in the kernels of ``fast/cuda`` (launch geometry
-and argument checks in ``fast/gpu_launch.py``):
+through cuBLAS (``xp.matmul``, no TF32), and the rest runs in the kernels of ``fast/gpu/cuda`` (launch geometry
+and argument checks in ``fast/gpu/launch.py``):
 
 * RMSNorm fused with its weight, the residual add and the layer scalar; per-head q/k/v norms fused with
   the rotary embedding; gated GELU of a fused gate/up projection;
@@ -46,290 +46,23 @@ import numpy as np
 
 import importlib
 
-from diffusiongemma.reference.cache import KVCache as ReferenceKVCache
 from diffusiongemma.reference.config import ModelConfig
-from diffusiongemma.reference.draws import SeededDraws, as_draw_source
-from diffusiongemma.reference.errors import InputError, SamplingError
+from diffusiongemma.reference.draws import as_draw_source
+from diffusiongemma.reference.errors import InputError
 from diffusiongemma.reference.primitives import rope_inverse_frequencies
 from diffusiongemma.reference.sampling import StableAndConfident, temperature
 from diffusiongemma.reference.model import check_attention_mask, check_token_ids
 from diffusiongemma.reference.weights import check_tensors, load_checkpoint
 
-from . import gpu_launch as gl
 
-# the module (the package re-exports a function of the same name)
+from . import launch as gl
+from .cache import GpuKVCache
+from .device import CupyDevice, gpu_available
+from .sampling import _DeviceSampler, _StepOutputs, _flat_rows, _raise_for_flags
+
 ref_generate = importlib.import_module("diffusiongemma.reference.generate")
 
 __all__ = ["Model", "GpuKVCache", "CupyDevice", "generate", "gpu_available"]
-
-
-# ================================================================================================ devices
-class CupyDevice:
-    """The real device: CuPy arrays on one CUDA GPU and the kernels of ``fast/cuda`` compiled by NVRTC.
-
-    device: "cuda" (GPU 0) or "cuda:N". Raises ``RuntimeError`` when CuPy is not installed, when no CUDA
-    driver/GPU is usable, or when the kernels do not compile (with the compiler log), and ``InputError`` for
-    a malformed device string.
-    """
-
-    def __init__(self, device: str = "cuda"):
-        index = _device_index(device)
-        try:
-            import cupy
-        except ImportError as error:
-            raise RuntimeError("the GPU backend needs CuPy, which is not installed: pip install "
-                               "'diffusiongemma[gpu]' (cupy-cuda12x), or cupy-cuda13x for a CUDA 13 driver") from error
-        try:
-            count = cupy.cuda.runtime.getDeviceCount()
-        except Exception as error:  # CUDARuntimeError: no driver, no device, driver too old
-            raise RuntimeError(f"CuPy is installed but no usable CUDA GPU was found ({error})") from error
-        if index >= count:
-            raise RuntimeError(f"device {device!r} asked for GPU {index}, but {count} CUDA GPU(s) are visible")
-        from .cuda_build import assemble_all
-
-        self.xp = cupy
-        self.name = f"cuda:{index}"
-        self._device = cupy.cuda.Device(index)
-        self._source = assemble_all()
-        self._kernels: dict[str, Any] = {}
-        self._opted_in: dict[str, int] = {}
-        with self._device:
-            try:  # compile now, so that a broken toolchain fails here and not mid-generation
-                for name in gl.signatures():
-                    self._kernel(name).compile()
-            except Exception as error:
-                raise RuntimeError(f"the CUDA kernels did not compile on {self.name}: {error}") from error
-
-    def _kernel(self, name: str):
-        kernel = self._kernels.get(name)
-        if kernel is None:
-            # every kernel shares one source text: CuPy compiles it once and caches the module
-            kernel = self.xp.RawKernel(self._source, name, options=("--std=c++14",))
-            self._kernels[name] = kernel
-        return kernel
-
-    def context(self):
-        return self._device
-
-    def launch(self, launch: gl.Launch) -> None:
-        kernel = self._kernel(launch.kernel)
-        if launch.needs_shared_opt_in and self._opted_in.get(launch.kernel, 0) < launch.shared_mem:
-            kernel.max_dynamic_shared_size_bytes = launch.shared_mem
-            self._opted_in[launch.kernel] = launch.shared_mem
-        args = tuple(np.uint64(0) if a is None else a for a in launch.args)  # None would not be NULL in CuPy
-        kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
-
-    def empty(self, shape, dtype):
-        return self.xp.empty(shape, dtype=dtype)
-
-    def zeros(self, shape, dtype):
-        return self.xp.zeros(shape, dtype=dtype)
-
-    def to_device(self, array: np.ndarray):
-        return self.xp.asarray(np.ascontiguousarray(array))
-
-    def to_host(self, array) -> np.ndarray:
-        return self.xp.asnumpy(array)
-
-    def synchronize(self) -> None:
-        self.xp.cuda.Device().synchronize()
-
-
-def _device_index(device: str) -> int:
-    if not isinstance(device, str):
-        raise InputError(f"device must be a string like 'cuda' or 'cuda:1', got {device!r}")
-    if device == "cuda":
-        return 0
-    if device.startswith("cuda:") and device[5:].isdigit():
-        return int(device[5:])
-    raise InputError(f"device must be 'cuda' or 'cuda:N', got {device!r}")
-
-
-def gpu_available() -> tuple[bool, str]:
-    """(True, description) when CuPy imports and sees a CUDA GPU, else (False, the reason). Never raises."""
-    try:
-        import cupy
-    except ImportError as error:
-        return False, f"CuPy is not installed ({error})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:
-        return False, f"CuPy cannot reach a CUDA GPU ({error})"
-    if count == 0:
-        return False, "no CUDA GPU is visible"
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    name = props["name"].decode() if isinstance(props.get("name"), bytes) else props.get("name")
-    return True, f"{count} GPU(s), GPU 0 = {name}, CuPy {cupy.__version__}"
-
-
-# ================================================================================================ cache
-class GpuKVCache:
-    """The encoder's keys and values on the device, for ``batch_size`` rows.
-
-    Same contents as ``reference.cache.KVCache`` (keys after k_norm and RoPE, values after the weightless
-    value norm; full layers keep every encoded token, sliding layers the last ``W - 1``; SPEC §6 step 3),
-    stored like ``fast.cache.KVCache``:
-        keys[l], values[l]: (B, g, slots_l, d) float32 device arrays (slots_l = W - 1 for a sliding layer,
-            a ring where position p lives in slot p mod (W - 1); ``capacity`` for a full layer, slot = position);
-        slot_positions[l]: (slots_l,) int64 on the host (position held by each slot, -1 empty), mirrored on
-            the device for the attention kernel;
-        real: (B, capacity) uint8 on the device (1 = a real token), mirrored on the host.
-    The decoder only reads it; ``Model.encode`` appends (``begin_append`` / ``store`` / ``end_append``).
-    """
-
-    def __init__(self, config: ModelConfig, batch_size: int, device: Any):
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
-            raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
-        self.config, self.batch_size, self.device = config, int(batch_size), device
-        self._length = 0
-        self._capacity = 0
-        self._chunk = max(1, int(config.canvas_length))
-        self.keys, self.values, self.slot_positions, self._slots_dev = [], [], [], []
-        for layer in range(config.num_hidden_layers):
-            g, d = config.layer_num_key_value_heads[layer], config.layer_head_dim[layer]
-            slots = config.sliding_window - 1 if config.is_sliding(layer) else 0
-            self.keys.append(device.zeros((self.batch_size, g, slots, d), np.float32))
-            self.values.append(device.zeros((self.batch_size, g, slots, d), np.float32))
-            self.slot_positions.append(np.full(slots, -1, dtype=np.int64))
-            self._slots_dev.append(device.to_device(self.slot_positions[-1]))
-        self._real_host = np.zeros((self.batch_size, 0), dtype=np.uint8)
-        self.real = device.to_device(self._real_host)
-
-    # ------------------------------------------------------------------ views
-    @property
-    def length(self) -> int:
-        """L: tokens encoded so far (padding included); the next token sits at position L."""
-        return self._length
-
-    @property
-    def capacity(self) -> int:
-        """Positions the full layers and the realness table hold without growing."""
-        return self._capacity
-
-    @property
-    def is_real(self) -> np.ndarray:
-        """(B, L) bool on the host: position p of row b was a real token."""
-        return self._real_host[:, : self._length].astype(bool)
-
-    def layer_capacity(self, layer: int) -> int | None:
-        """``W - 1`` for a sliding layer, None (unbounded) for a full layer."""
-        return self.config.sliding_window - 1 if self.config.is_sliding(layer) else None
-
-    def cached_slots(self, layer: int) -> int:
-        """Leading slots of ``layer`` that hold data (the attention kernel scans these)."""
-        cap = self.layer_capacity(layer)
-        return self._length if cap is None else min(self._length, cap)
-
-    def slot_positions_device(self, layer: int):
-        """(slots_l,) int64 device copy of ``slot_positions[layer]``."""
-        return self._slots_dev[layer]
-
-    # ------------------------------------------------------------------ growth and appending
-    def reserve(self, total_positions: int) -> None:
-        """Room for ``total_positions`` positions in the full layers and the realness table (grows to at
-        least 1.5x, rounded up to whole canvases; contents kept)."""
-        if total_positions <= self._capacity:
-            return
-        dev = self.device
-        new_cap = max(int(total_positions), (self._capacity * 3) // 2)
-        new_cap = -(-new_cap // self._chunk) * self._chunk
-        L = self._length
-        for layer in range(self.config.num_hidden_layers):
-            if self.config.is_sliding(layer):
-                continue
-            for store in (self.keys, self.values):
-                old = store[layer]
-                grown = dev.zeros(old.shape[:2] + (new_cap, old.shape[3]), np.float32)
-                grown[:, :, :L] = old[:, :, :L]
-                store[layer] = grown
-            positions = np.full(new_cap, -1, dtype=np.int64)
-            positions[:L] = np.arange(L)
-            self.slot_positions[layer] = positions
-        real = np.zeros((self.batch_size, new_cap), dtype=np.uint8)
-        real[:, :L] = self._real_host[:, :L]
-        self._real_host = real
-        self._capacity = new_cap
-
-    def begin_append(self, mask: np.ndarray) -> None:
-        """Record the realness (B, n) of the next n positions and label the full layers' next slots,
-        without changing ``length`` (nothing new is visible to a decoder until ``end_append``)."""
-        n = mask.shape[1]
-        L = self._length
-        self.reserve(L + n)
-        self._real_host[:, L:L + n] = mask
-        self.real = self.device.to_device(self._real_host)
-        for layer in range(self.config.num_hidden_layers):
-            if not self.config.is_sliding(layer):
-                self.slot_positions[layer][L:L + n] = np.arange(L, L + n)
-                self._slots_dev[layer] = self.device.to_device(self.slot_positions[layer])
-
-    def store(self, layer: int, keys, values) -> None:
-        """Keep the fresh keys/values (B, g, n, d) of positions ``length .. length + n - 1``: all of them
-        in a full layer, the newest ``min(n, W - 1)`` in a sliding layer's ring."""
-        n = keys.shape[2]
-        L = self._length
-        cap = self.layer_capacity(layer)
-        if cap is None:
-            self.keys[layer][:, :, L:L + n] = keys
-            self.values[layer][:, :, L:L + n] = values
-            return
-        keep = min(n, cap)
-        positions = np.arange(L + n - keep, L + n, dtype=np.int64)
-        slots = positions % cap
-        slots_dev = self.device.to_device(slots)
-        self.keys[layer][:, :, slots_dev] = keys[:, :, n - keep:]
-        self.values[layer][:, :, slots_dev] = values[:, :, n - keep:]
-        self.slot_positions[layer][slots] = positions
-        self._slots_dev[layer] = self.device.to_device(self.slot_positions[layer])
-
-    def end_append(self, n: int) -> None:
-        """Make the n appended positions part of the cache."""
-        self._length += n
-
-    # ------------------------------------------------------------------ conversion
-    def to_reference(self) -> ReferenceKVCache:
-        """The same cache on the host in the reference layout (entries in position order)."""
-        keys, values = [], []
-        for layer in range(self.config.num_hidden_layers):
-            n = self.cached_slots(layer)
-            order = np.argsort(self.slot_positions[layer][:n], kind="stable")
-            keys.append(self.device.to_host(self.keys[layer])[:, :, order].copy())
-            values.append(self.device.to_host(self.values[layer])[:, :, order].copy())
-        return ReferenceKVCache(self.config, self.batch_size, keys, values, self.is_real)
-
-    @classmethod
-    def from_reference(cls, cache: ReferenceKVCache, device: Any) -> "GpuKVCache":
-        """A device cache holding exactly what a reference cache holds."""
-        out = cls(cache.config, cache.batch_size, device)
-        L = cache.length
-        out.begin_append(np.asarray(cache.is_real, dtype=np.uint8))
-        for layer in range(cache.config.num_hidden_layers):
-            keys, values = cache.keys[layer], cache.values[layer]
-            T = keys.shape[2]
-            positions = np.arange(L - T, L, dtype=np.int64)
-            cap = out.layer_capacity(layer)
-            slots = positions if cap is None else positions % cap
-            k_host, v_host = device.to_host(out.keys[layer]), device.to_host(out.values[layer])
-            k_host[:, :, slots], v_host[:, :, slots] = keys, values
-            out.keys[layer], out.values[layer] = device.to_device(k_host), device.to_device(v_host)
-            if cap is not None:
-                out.slot_positions[layer][slots] = positions
-                out._slots_dev[layer] = device.to_device(out.slot_positions[layer])
-        out.end_append(L)
-        return out
-
-    def copy(self) -> "GpuKVCache":
-        """A deep copy (device arrays copied)."""
-        out = GpuKVCache.__new__(GpuKVCache)
-        out.config, out.batch_size, out.device = self.config, self.batch_size, self.device
-        out._length, out._capacity, out._chunk = self._length, self._capacity, self._chunk
-        out.keys = [k.copy() for k in self.keys]
-        out.values = [v.copy() for v in self.values]
-        out.slot_positions = [p.copy() for p in self.slot_positions]
-        out._slots_dev = [p.copy() for p in self._slots_dev]
-        out._real_host = self._real_host.copy()
-        out.real = self.real.copy()
-        return out
 
 
 # ================================================================================================ model
@@ -631,34 +364,7 @@ class _Attention:
 
 
 # ================================================================================================ sampling state
-def _flat_rows(batch_rows: np.ndarray, C: int) -> np.ndarray:
-    """int32 indices of the (B*C, V) rows belonging to ``batch_rows``: b*C + c."""
-    return (np.asarray(batch_rows, dtype=np.int64)[:, None] * C + np.arange(C)).reshape(-1).astype(np.int32)
 
-
-class _StepOutputs:
-    """Device outputs of one sampling pass over R rows."""
-
-    def __init__(self, dev: Any, R: int):
-        self.argmax = dev.empty((R,), np.int64)
-        self.entropy = dev.empty((R,), np.float32)
-        self.sampled = dev.zeros((R,), np.int64)
-        self.flags = dev.empty((R,), np.int32)
-
-
-def _raise_for_flags(flags: np.ndarray, flat_rows: np.ndarray, C: int, what: str, error=SamplingError) -> None:
-    """Raise naming the first (row, position) whose logits hold NaN / +inf / no finite value."""
-    bad = np.flatnonzero(flags)
-    if bad.size == 0:
-        return
-    i = int(bad[0])
-    row, pos = divmod(int(flat_rows[i]), C)
-    f = int(flags[i])
-    reason = "NaN" if f & 1 else "+inf" if f & 2 else "no finite value (all -inf)"
-    raise error(f"{what} at (row, position) {(row, pos)} hold {reason}; cannot sample a token")
-
-
-# ================================================================================================ generation
 def generate(model: Model, input_ids: Any, attention_mask: Any = None,
              generation_config: ref_generate.GenerationConfig | None = None, *, random: Any = None,
              denoiser: Any = None, encoder: Any = None, cache: GpuKVCache | None = None,
@@ -741,70 +447,6 @@ def _generate(model: Model, input_ids: Any, attention_mask: Any, generation_conf
     return R.finish_run(sequences, P, forward_passes, steps_per_canvas, cache, config, callback)
 
 
-class _DeviceSampler:
-    """One denoising step on the device for the rows still denoising; owns the (B, C, V) buffer."""
-
-    def __init__(self, model: Model, B: int, C: int, V: int, draws: Any, logits_hook: Any):
-        self.model, self.dev = model, model.device
-        self.B, self.C, self.V = B, C, V
-        self.draws = draws
-        self.logits_hook = logits_hook
-        self.buffer = self.dev.empty((B, C, V), np.float32)  # the one (C x V) float32 buffer per sequence
-        self.has_sc = False  # buffer holds self-conditioning probabilities for every row
-
-    def start_canvas(self, sc_logits: np.ndarray | None) -> None:
-        """Start a canvas: no self-conditioning, or the caller's logits (first canvas only)."""
-        self.has_sc = False
-        if sc_logits is not None:
-            self.buffer[...] = self.dev.to_device(sc_logits)
-            self.model._softmax_in_place(self.buffer, np.arange(self.B), "self_conditioning_logits")
-            self.has_sc = True
-
-    def _uniforms(self) -> np.ndarray | None:
-        """The categorical uniforms of ``SeededDraws`` (its exact generator call), or None for another source."""
-        if type(self.draws) is SeededDraws:
-            return self.draws.generator.random(size=(self.B, self.C), dtype=np.float64)
-        return None
-
-    def step(self, canvas: np.ndarray, live: np.ndarray, temp: np.float32 | None, bound: float) -> dict:
-        """Decoder pass, sampling pass and acceptance for the batch rows ``live``; returns host arrays
-        (len(live), C): draft, entropies, sampled, accepted, next canvas."""
-        dev, B, C, V = self.dev, self.B, self.C, self.V
-        model = self.model
-        cap = model.config.final_logit_softcapping
-        if self.logits_hook is not None:
-            logits = np.asarray(self.logits_hook(canvas, live), dtype=np.float32)
-            self.buffer[dev.to_device(live)] = dev.to_device(logits[live])
-            cap = 0.0
-        else:
-            model._decoder_logits(dev.to_device(canvas[live]), self._cache, live, self.buffer, self.has_sc)
-        flat = _flat_rows(live, C)
-        n = flat.shape[0]
-        out = _StepOutputs(dev, n)
-        uniforms = self._uniforms()
-        temp_value = 0.0 if temp is None else float(temp)
-        what = "denoiser logits" if temp is None else f"logits divided by temperature {float(temp)!r}"
-        dev.launch(gl.sample_rows(self.buffer.reshape(B * C, V), dev.to_device(flat), cap, temp_value,
-                                  None if uniforms is None else dev.to_device(uniforms[live].reshape(-1)),
-                                  out.argmax, out.entropy, out.sampled, out.flags))
-        _raise_for_flags(dev.to_host(out.flags), flat, C, what)
-        if uniforms is None:  # any other draw source decides on the host, from the probabilities
-            probs = dev.to_host(self.buffer)
-            frozen = np.setdiff1d(np.arange(B), live)
-            probs[frozen] = np.float32(1.0 / V)  # not recomputed; their draws are consumed and discarded
-            sampled = self.draws.categorical(probs)
-            out.sampled = dev.to_device(np.ascontiguousarray(sampled[live].reshape(-1)))
-        noise = self.draws.renoise_ids(B, C, V)
-        accepted = dev.empty((live.shape[0], C), np.uint8)
-        next_canvas = dev.empty((live.shape[0], C), np.int64)
-        entropy = out.entropy.reshape(live.shape[0], C)
-        sampled_dev = out.sampled.reshape(live.shape[0], C)
-        dev.launch(gl.accept_renoise(entropy, sampled_dev, dev.to_device(noise[live]), bound, accepted, next_canvas))
-        self.has_sc = True
-        shape = (live.shape[0], C)
-        return {"draft": dev.to_host(out.argmax).reshape(shape), "entropies": dev.to_host(entropy),
-                "sampled": dev.to_host(sampled_dev), "accepted": dev.to_host(accepted).astype(bool),
-                "canvas": dev.to_host(next_canvas)}
 
 
 def _denoise_canvas(k: int, canvas: np.ndarray, sc_logits: np.ndarray | None, cache: GpuKVCache,
@@ -844,3 +486,4 @@ def _denoise_canvas(k: int, canvas: np.ndarray, sc_logits: np.ndarray | None, ca
         if finished.all():  # (k)
             break
     return draft, step_index + 1
+

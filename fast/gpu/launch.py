@@ -85,7 +85,7 @@ def parse_signatures(source: str) -> dict[str, tuple[Param, ...]]:
             ctype, _, pname = text.rpartition(" ")
             ctype = ctype.replace(" *", "*").strip()
             if ctype not in _C_TYPES:
-                raise LaunchError(f"kernel {name}: parameter {raw.strip()!r} has a type gpu_launch cannot pass")
+                raise LaunchError(f"kernel {name}: parameter {raw.strip()!r} has a type the launcher cannot pass")
             kind, dtype = _C_TYPES[ctype]
             parsed.append(Param(pname, kind, np.dtype(dtype), const))
         out[name] = tuple(parsed)

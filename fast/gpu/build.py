@@ -9,7 +9,7 @@ GPU machine. This module lets a machine with no GPU check them ahead of time:
   ptxas in verbose mode, using ``nvcc`` when one is found and otherwise NVRTC (``libnvrtc`` from the CUDA
   toolkit or from the ``nvidia-cuda-nvrtc`` pip package), and parses what ptxas reports per kernel:
   registers, spill stores/loads, stack frame, static shared memory;
-* ``check_all()`` does that for every source and architecture; ``python -m diffusiongemma.fast.cuda_build``
+* ``check_all()`` does that for every source and architecture; ``python -m diffusiongemma.fast.gpu.build``
   prints the table.
 
 Nothing here imports CuPy. Errors: ``CompilerNotFound`` when neither compiler can be found (callers

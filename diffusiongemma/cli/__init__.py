@@ -1,0 +1,1 @@
+"""The ``diffusiongemma`` command: ``generate``, ``convert``, ``trace``, ``compare`` (``main.py``)."""

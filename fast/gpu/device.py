@@ -1,0 +1,120 @@
+"""The GPU device: CuPy arrays on one CUDA GPU and the kernels of ``fast/gpu/cuda`` compiled by NVRTC.
+
+The host code of the GPU path talks to a device only through the small interface of ``CupyDevice``
+(``xp``, ``launch``, ``empty``, ``zeros``, ``to_device``, ``to_host``, ``synchronize``, ``context``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+from diffusiongemma.reference.errors import InputError
+
+
+from . import launch as gl
+
+__all__ = ["CupyDevice", "gpu_available", "device_index"]
+
+
+
+# ================================================================================================ devices
+class CupyDevice:
+    """The real device: CuPy arrays on one CUDA GPU and the kernels of ``fast/gpu/cuda`` compiled by NVRTC.
+
+    device: "cuda" (GPU 0) or "cuda:N". Raises ``RuntimeError`` when CuPy is not installed, when no CUDA
+    driver/GPU is usable, or when the kernels do not compile (with the compiler log), and ``InputError`` for
+    a malformed device string.
+    """
+
+    def __init__(self, device: str = "cuda"):
+        index = device_index(device)
+        try:
+            import cupy
+        except ImportError as error:
+            raise RuntimeError("the GPU backend needs CuPy, which is not installed: pip install "
+                               "'diffusiongemma[gpu]' (cupy-cuda12x), or cupy-cuda13x for a CUDA 13 driver") from error
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as error:  # CUDARuntimeError: no driver, no device, driver too old
+            raise RuntimeError(f"CuPy is installed but no usable CUDA GPU was found ({error})") from error
+        if index >= count:
+            raise RuntimeError(f"device {device!r} asked for GPU {index}, but {count} CUDA GPU(s) are visible")
+        from .build import assemble_all
+
+        self.xp = cupy
+        self.name = f"cuda:{index}"
+        self._device = cupy.cuda.Device(index)
+        self._source = assemble_all()
+        self._kernels: dict[str, Any] = {}
+        self._opted_in: dict[str, int] = {}
+        with self._device:
+            try:  # compile now, so that a broken toolchain fails here and not mid-generation
+                for name in gl.signatures():
+                    self._kernel(name).compile()
+            except Exception as error:
+                raise RuntimeError(f"the CUDA kernels did not compile on {self.name}: {error}") from error
+
+    def _kernel(self, name: str):
+        kernel = self._kernels.get(name)
+        if kernel is None:
+            # every kernel shares one source text: CuPy compiles it once and caches the module
+            kernel = self.xp.RawKernel(self._source, name, options=("--std=c++14",))
+            self._kernels[name] = kernel
+        return kernel
+
+    def context(self):
+        return self._device
+
+    def launch(self, launch: gl.Launch) -> None:
+        kernel = self._kernel(launch.kernel)
+        if launch.needs_shared_opt_in and self._opted_in.get(launch.kernel, 0) < launch.shared_mem:
+            kernel.max_dynamic_shared_size_bytes = launch.shared_mem
+            self._opted_in[launch.kernel] = launch.shared_mem
+        args = tuple(np.uint64(0) if a is None else a for a in launch.args)  # None would not be NULL in CuPy
+        kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+
+    def empty(self, shape, dtype):
+        return self.xp.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype):
+        return self.xp.zeros(shape, dtype=dtype)
+
+    def to_device(self, array: np.ndarray):
+        return self.xp.asarray(np.ascontiguousarray(array))
+
+    def to_host(self, array) -> np.ndarray:
+        return self.xp.asnumpy(array)
+
+    def synchronize(self) -> None:
+        self.xp.cuda.Device().synchronize()
+
+
+def device_index(device: str) -> int:
+    if not isinstance(device, str):
+        raise InputError(f"device must be a string like 'cuda' or 'cuda:1', got {device!r}")
+    if device == "cuda":
+        return 0
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return int(device[5:])
+    raise InputError(f"device must be 'cuda' or 'cuda:N', got {device!r}")
+
+
+def gpu_available() -> tuple[bool, str]:
+    """(True, description) when CuPy imports and sees a CUDA GPU, else (False, the reason). Never raises."""
+    try:
+        import cupy
+    except ImportError as error:
+        return False, f"CuPy is not installed ({error})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:
+        return False, f"CuPy cannot reach a CUDA GPU ({error})"
+    if count == 0:
+        return False, "no CUDA GPU is visible"
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    name = props["name"].decode() if isinstance(props.get("name"), bytes) else props.get("name")
+    return True, f"{count} GPU(s), GPU 0 = {name}, CuPy {cupy.__version__}"
+
