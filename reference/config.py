@@ -33,6 +33,16 @@ FULL = "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 
 
+def _is_int(value: Any) -> bool:
+    """An integer that is not a bool (JSON ``true`` must not pass for 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class RopeParameters:
     """Rotary-embedding settings of one layer type."""
@@ -63,6 +73,7 @@ class ModelConfig:
     num_experts: int = 128  # E: routed experts per layer
     top_k_experts: int = 8  # K: experts chosen per token
     canvas_length: int = 256  # C: tokens denoised together in one block
+    max_position_embeddings: int = 131_072  # positions 0 .. this - 1 are valid (prompt, cache and canvases)
     pad_token_id: int = 0  # id written after EOS, and the id of left padding
     bos_token_id: int = 2
     eos_token_id: tuple[int, ...] = (1,)  # text-config EOS; generation uses the generation config
@@ -83,12 +94,41 @@ class ModelConfig:
     def __post_init__(self) -> None:
         positive = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                     "num_hidden_layers", "num_attention_heads", "sliding_window", "num_experts",
-                    "top_k_experts", "canvas_length"]
+                    "top_k_experts", "canvas_length", "max_position_embeddings"]
         for name in positive:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("pad_token_id", "bos_token_id"):
+            if not _is_int(getattr(self, name)):
+                raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("rms_norm_eps", "final_logit_softcapping"):
+            if not _is_real(getattr(self, name)):
+                raise ConfigError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if not isinstance(self.hidden_activation, str):
+            raise ConfigError(f"hidden_activation must be a string, got {self.hidden_activation!r}")
         n = self.num_hidden_layers
+        for name, check, what in (("layer_types", lambda v: isinstance(v, str), "a string"),
+                                  ("layer_head_dim", _is_int, "an integer"),
+                                  ("layer_num_key_value_heads", _is_int, "an integer"),
+                                  ("eos_token_id", _is_int, "an integer")):
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                raise ConfigError(f"{name} must be a list, got {value!r}")
+            for i, item in enumerate(value):
+                if not check(item):
+                    raise ConfigError(f"{name}[{i}] must be {what}, got {item!r}")
+        if not isinstance(self.rope_parameters, Mapping):
+            raise ConfigError(f"rope_parameters must be an object (layer type -> settings), got {self.rope_parameters!r}")
+        for kind, rope in self.rope_parameters.items():
+            if not isinstance(rope, RopeParameters):
+                raise ConfigError(f"rope_parameters[{kind!r}] must be RopeParameters, got {rope!r}")
+            if not isinstance(rope.rope_type, str):
+                raise ConfigError(f"rope_parameters[{kind!r}].rope_type must be a string, got {rope.rope_type!r}")
+            for field_name in ("rope_theta", "partial_rotary_factor"):
+                if not _is_real(getattr(rope, field_name)):
+                    raise ConfigError(f"rope_parameters[{kind!r}].{field_name} must be a number, "
+                                      f"got {getattr(rope, field_name)!r}")
         for name in ("layer_types", "layer_head_dim", "layer_num_key_value_heads"):
             if len(getattr(self, name)) != n:
                 raise ConfigError(f"{name} must have num_hidden_layers={n} entries, "
@@ -148,14 +188,29 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
         """Inverse of ``to_dict``. Unknown keys raise ``ConfigError``."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"model_config must be an object, got {type(data).__name__}: {data!r:.80}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown ModelConfig field(s): {sorted(unknown)}")
         data = dict(data)
-        data["rope_parameters"] = {k: RopeParameters(**v) for k, v in data.get("rope_parameters", {}).items()}
+        rope_raw = data.get("rope_parameters", {})
+        if not isinstance(rope_raw, Mapping):
+            raise ConfigError(f"rope_parameters must be an object (layer type -> settings), got {rope_raw!r:.80}")
+        rope_fields = {f.name for f in dataclasses.fields(RopeParameters)}
+        data["rope_parameters"] = {}
+        for kind, params in rope_raw.items():
+            if not isinstance(params, Mapping):
+                raise ConfigError(f"rope_parameters[{kind!r}] must be an object, got {params!r:.80}")
+            if set(params) - rope_fields or "rope_type" not in params or "rope_theta" not in params:
+                raise ConfigError(f"rope_parameters[{kind!r}] must have rope_type, rope_theta and optionally "
+                                  f"partial_rotary_factor, got fields {sorted(params)}")
+            data["rope_parameters"][kind] = RopeParameters(**params)
         for key in ("layer_types", "layer_head_dim", "layer_num_key_value_heads", "eos_token_id"):
             if key in data:
+                if not isinstance(data[key], (list, tuple)):
+                    raise ConfigError(f"{key} must be a list, got {data[key]!r:.80}")
                 data[key] = tuple(data[key])
         return cls(**data)
 
@@ -183,6 +238,11 @@ class ModelConfig:
             value = text.get(name, default)
             return default if value is None else value
 
+        def number(where, value):
+            if not _is_real(value):
+                raise ConfigError(f"config.json: {where} must be a number, got {value!r:.80}")
+            return float(value)
+
         bidir = text.get("use_bidirectional_attention")
         if bidir not in (None, "vision"):
             raise ConfigError(f"use_bidirectional_attention={bidir!r} is not supported: only None or 'vision' "
@@ -193,6 +253,8 @@ class ModelConfig:
         layer_types = text.get("layer_types")
         if layer_types is None:  # upstream default: every sixth layer is full
             layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)]
+        if not isinstance(layer_types, (list, tuple)):
+            raise ConfigError(f"layer_types must be a list, got {layer_types!r:.80}")
         layer_types = tuple(layer_types)
 
         n_heads = get("num_attention_heads", 8)
@@ -209,6 +271,11 @@ class ModelConfig:
         layer_head_dim, layer_kv = [], []
         for i in range(len(layer_types)):
             over = per_layer.get(str(i), per_layer.get(i, {})) or {}
+            if not isinstance(over, Mapping):
+                raise ConfigError(f"per_layer_config[{i}] must be an object, got {over!r:.80}")
+            for key, value in over.items():
+                if key in ("head_dim", "num_key_value_heads") and not _is_int(value):
+                    raise ConfigError(f"per_layer_config[{i}].{key} must be an integer, got {value!r}")
             unknown = set(over) - {"head_dim", "num_key_value_heads"}
             if unknown:
                 raise ConfigError(f"per_layer_config[{i}] has unsupported field(s) {sorted(unknown)}")
@@ -219,6 +286,8 @@ class ModelConfig:
             SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
             FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
         }
+        if not isinstance(rope_raw, Mapping):
+            raise ConfigError(f"rope_parameters must be an object (layer type -> settings), got {rope_raw!r:.80}")
         rope = {}
         for kind, params in rope_raw.items():
             if kind not in LAYER_TYPES:
@@ -227,9 +296,11 @@ class ModelConfig:
                 raise ConfigError(f"rope_parameters[{kind!r}] must be an object, got {params!r}")
             if params.get("factor", 1.0) not in (1, 1.0):
                 raise ConfigError(f"rope_parameters[{kind!r}].factor={params['factor']!r} is not supported (only 1)")
-            rope[kind] = RopeParameters(rope_type=params.get("rope_type", "default"),
-                                        rope_theta=float(params.get("rope_theta", 10_000.0)),
-                                        partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)))
+            rope[kind] = RopeParameters(
+                rope_type=params.get("rope_type", "default"),
+                rope_theta=number(f"rope_parameters[{kind!r}].rope_theta", params.get("rope_theta", 10_000.0)),
+                partial_rotary_factor=number(f"rope_parameters[{kind!r}].partial_rotary_factor",
+                                             params.get("partial_rotary_factor", 1.0)))
         for where, value in (("tie_word_embeddings", config.get("tie_word_embeddings")),
                              ("text_config.tie_word_embeddings", text.get("tie_word_embeddings"))):
             if value is False:
@@ -251,12 +322,13 @@ class ModelConfig:
             layer_num_key_value_heads=tuple(layer_kv),
             sliding_window=get("sliding_window", 512),
             rope_parameters=rope,
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=number("rms_norm_eps", get("rms_norm_eps", 1e-6)),
             hidden_activation=get("hidden_activation", "gelu_pytorch_tanh"),
-            final_logit_softcapping=float(get("final_logit_softcapping", 30.0)),
+            final_logit_softcapping=number("final_logit_softcapping", get("final_logit_softcapping", 30.0)),
             num_experts=text.get("num_experts"),
             top_k_experts=text.get("top_k_experts"),
             canvas_length=canvas_length,
+            max_position_embeddings=get("max_position_embeddings", 131_072),
             pad_token_id=get("pad_token_id", 0),
             bos_token_id=get("bos_token_id", 2),
             eos_token_id=eos,
@@ -268,8 +340,8 @@ class ModelConfig:
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: not valid UTF-8 JSON ({exc})") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
         if "model_config" in data and data.get("format") == "diffusiongemma":

@@ -19,3 +19,8 @@ class InputError(ValueError):
 
 class SamplingError(ValueError):
     """A sampling step cannot produce a token: NaN logits, or a row with no finite logit."""
+
+
+class NonFiniteError(SamplingError):
+    """A forward pass produced NaN or infinity; the message names the first layer output that was not
+    finite and the weight or input that explains it (or says that float32 overflowed)."""

@@ -109,8 +109,35 @@ def to_float32(array: np.ndarray, name: str = "tensor") -> np.ndarray:
     raise CheckpointError(f"{name}: unsupported dtype {array.dtype} (expected float32, bfloat16 or float16)")
 
 
-def check_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig) -> None:
-    """Raise ``CheckpointError`` unless ``tensors`` holds exactly the expected names and shapes."""
+_FINITE_CHECK_CHUNK = 1 << 22  # elements per chunk of the finiteness scan (bounds its temporary)
+
+
+def check_finite(array: np.ndarray, name: str = "tensor", what: str = "refusing a broken checkpoint") -> None:
+    """Raise ``CheckpointError`` naming ``name`` if ``array`` holds a NaN or an infinity.
+
+    The one finiteness rule for weights of every layout (converted, transformers, in memory): a NaN or
+    infinite weight is refused wherever it comes from, since it would turn into NaN logits, or, in a norm
+    weight, into logits soft-capped to +-c that still generate. Scans in chunks so that the boolean
+    temporary stays small for multi-gigabyte tensors; the message counts NaN and infinite values and
+    gives the first flat index.
+    """
+    flat = np.asarray(array).reshape(-1)
+    for start in range(0, flat.size, _FINITE_CHECK_CHUNK):
+        chunk = flat[start:start + _FINITE_CHECK_CHUNK]
+        if not np.isfinite(chunk).all():
+            values = flat.astype(np.float32)
+            nan, inf = int(np.count_nonzero(np.isnan(values))), int(np.count_nonzero(np.isinf(values)))
+            first = int(np.flatnonzero(~np.isfinite(values))[0])
+            raise CheckpointError(f"tensor {name!r} holds {nan} NaN and {inf} infinite value(s) (in "
+                                  f"{array.dtype}; first at flat index {first}: {values[first]!r}); {what}")
+
+
+def check_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig, finite: bool = True) -> None:
+    """Raise ``CheckpointError`` unless ``tensors`` holds exactly the expected names and shapes.
+
+    With ``finite`` (the default; every ``Model`` constructor uses it) every tensor must also hold only
+    finite values (``check_finite``), so that no backend ever runs on NaN or infinite weights.
+    """
     expected = expected_shapes(config)
     missing = [n for n in expected if n not in tensors]
     if missing:
@@ -120,8 +147,11 @@ def check_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig) -> Non
     if unknown:
         raise CheckpointError(f"unknown tensor(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
     for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape}")
+        if tuple(np.shape(tensors[name])) != shape:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(np.shape(tensors[name]))}, expected {shape}")
+    if finite:
+        for name in expected:
+            check_finite(tensors[name], name, "refusing to run on it")
 
 
 def is_converted_checkpoint(path: str | os.PathLike) -> bool:
@@ -129,59 +159,151 @@ def is_converted_checkpoint(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(path, INDEX_FILE))
 
 
-def read_index(path: str | os.PathLike) -> dict:
-    """Parse and validate ``diffusiongemma.json`` of a converted checkpoint directory."""
+def read_index(path: str | os.PathLike, name: str | os.PathLike | None = None) -> dict:
+    """Parse and validate ``diffusiongemma.json`` of a converted checkpoint directory.
+
+    ``path`` names the directory in messages; ``name`` (default: the same) is where it is read from
+    (``load_converted`` reads through a pinned directory handle). Raises ``CheckpointError`` naming the
+    file and the field: not UTF-8 JSON, not an object, wrong format or version, unknown dtype, no
+    ``model_config`` object, no ``weight_map`` object, a ``weight_map`` value that is not a plain file name,
+    a ``generation`` that is not a string.
+    """
     index_path = os.path.join(path, INDEX_FILE)
     try:
-        with open(index_path, encoding="utf-8") as f:
+        with open(os.path.join(path if name is None else name, INDEX_FILE), encoding="utf-8") as f:
             index = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not a converted diffusiongemma checkpoint ({INDEX_FILE} is missing)") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{index_path}: not valid JSON ({exc})") from exc
-    if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{index_path}: not valid UTF-8 JSON ({exc})") from exc
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{index_path}: expected a JSON object, got {type(index).__name__}")
+    if index.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{index_path}: 'format' must be {FORMAT_NAME!r}, got {index.get('format')!r}")
     if index.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{index_path}: format_version {index.get('format_version')!r} is not supported "
                               f"(this version reads {FORMAT_VERSION})")
     if index.get("dtype") not in STORAGE_DTYPES:
         raise CheckpointError(f"{index_path}: dtype must be one of {STORAGE_DTYPES}, got {index.get('dtype')!r}")
-    if not isinstance(index.get("weight_map"), dict):
-        raise CheckpointError(f"{index_path}: 'weight_map' (tensor name -> file) is missing")
+    if not isinstance(index.get("model_config"), dict):
+        raise CheckpointError(f"{index_path}: 'model_config' (the ModelConfig object) is missing or not an "
+                              f"object, got {type(index.get('model_config')).__name__}")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: 'weight_map' (tensor name -> file) is missing or not an object")
+    for tensor, filename in weight_map.items():
+        if not isinstance(filename, str) or not filename or os.path.basename(filename) != filename:
+            raise CheckpointError(f"{index_path}: weight_map[{tensor!r}] must be a file name in the directory, "
+                                  f"got {filename!r}")
+    if "generation" in index and not isinstance(index["generation"], str):
+        raise CheckpointError(f"{index_path}: 'generation' must be a string, got {index['generation']!r}")
     return index
 
 
+class CheckpointChanged(CheckpointError):
+    """The checkpoint directory was replaced while it was being read (a concurrent ``convert --force``)."""
+
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}  # index dtype -> safetensors header dtype
+
+
+def _pinned_directory(path: str) -> tuple[int | None, str]:
+    """Open ``path`` once and return (descriptor, a name that keeps resolving to *that* directory).
+
+    On Linux the name is ``/proc/self/fd/N``: every file read through it comes from the directory that
+    was opened, even if another process renames a new checkpoint into ``path`` meanwhile. Elsewhere the
+    name is ``path`` itself and consistency rests on the generation check of ``load_converted`` alone.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return None, path
+    pinned = f"/proc/self/fd/{fd}"
+    if os.path.isdir(pinned):
+        return fd, pinned
+    os.close(fd)
+    return None, path
+
+
 def load_converted(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Read a converted checkpoint directory.
+    """Read a converted checkpoint directory, whole.
 
     Returns ``(config, tensors)`` with every tensor widened to float32, shape-checked against
-    ``expected_shapes(config)``. Raises ``CheckpointError`` (bad index, unreadable or truncated
-    file, missing/unknown/misshapen tensor) or ``ConfigError`` (bad model config).
+    ``expected_shapes(config)`` and finite (``check_finite``). Every tensor of a listed file must be listed
+    in the index and stored in the index's dtype.
+
+    Readers and a concurrent replace (``convert(..., force=True)``, which swaps directories atomically):
+    the directory is opened once and every file is read through that handle, so the result is the
+    old checkpoint or the new one, never a mixture; every weight file's metadata must carry the index's
+    ``generation`` id (written by the converter), which catches a mixture on systems without
+    ``/proc/self/fd``. If the directory is replaced and deleted mid-read, the read is retried (up to 3
+    times) and then fails with ``CheckpointChanged``.
+    Raises ``CheckpointError`` (bad index, unreadable or truncated file, missing/unknown/misshapen
+    tensor, a tensor the index does not list, a dtype other than the index's, NaN/inf values) or
+    ``ConfigError`` (bad model config).
     """
-    index = read_index(path)
+    for attempt in range(3):
+        try:
+            return _load_converted_once(os.fspath(path))
+        except CheckpointChanged:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _load_converted_once(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    fd, base = _pinned_directory(path)
     try:
-        config = ModelConfig.from_dict(index.get("model_config", {}))
-    except TypeError as exc:
-        raise ConfigError(f"{path}/{INDEX_FILE}: bad model_config ({exc})") from exc
+        index = read_index(path, base)
+        try:
+            config = ModelConfig.from_dict(index["model_config"])
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}/{INDEX_FILE}: bad model_config ({exc})") from exc
+        return config, _read_weight_files(path, base, index, config)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _read_weight_files(path: str, base: str, index: dict, config: ModelConfig) -> dict[str, np.ndarray]:
     by_file: dict[str, list[str]] = {}
     for name, filename in index["weight_map"].items():
         by_file.setdefault(filename, []).append(name)
+    generation = index.get("generation")
+    want_dtype = _SAFETENSORS_DTYPES[index["dtype"]]
     tensors: dict[str, np.ndarray] = {}
     for filename, names in by_file.items():
         file_path = os.path.join(path, filename)
-        if os.path.basename(filename) != filename or not os.path.isfile(file_path):
+        if not os.path.isfile(os.path.join(base, filename)):
+            if generation is not None and not os.path.isfile(os.path.join(base, INDEX_FILE)):
+                raise CheckpointChanged(f"{path}: the checkpoint was replaced while it was being read "
+                                        f"({filename} vanished); read it again")
             raise CheckpointError(f"{path}: weight file {filename!r} listed in {INDEX_FILE} is missing")
         try:
-            with safe_open(file_path, framework="numpy") as f:
+            with safe_open(os.path.join(base, filename), framework="numpy") as f:
+                file_generation = (f.metadata() or {}).get("generation")
+                if generation is not None and file_generation != generation:
+                    raise CheckpointChanged(
+                        f"{file_path}: belongs to checkpoint generation {file_generation!r}, but {INDEX_FILE} "
+                        f"says {generation!r}: the directory was replaced while it was being read, or mixes "
+                        "files of two conversions")
                 present = set(f.keys())
+                extra = sorted(present - set(names))
+                if extra:
+                    raise CheckpointError(f"{file_path}: holds tensor(s) {extra[:5]} that {INDEX_FILE} does "
+                                          "not list (a file of another conversion?)")
                 for name in names:
                     if name not in present:
                         raise CheckpointError(f"{file_path}: tensor {name!r} listed in {INDEX_FILE} is not in the file")
+                    stored = f.get_slice(name).get_dtype()
+                    if stored != want_dtype:
+                        raise CheckpointError(f"{file_path}: tensor {name!r} is stored as {stored}, but "
+                                              f"{INDEX_FILE} says dtype {index['dtype']!r} ({want_dtype})")
                     tensors[name] = to_float32(f.get_tensor(name), name)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{file_path}: unreadable safetensors file ({exc})") from exc
     check_tensors(tensors, config)
-    return config, tensors
+    return tensors
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -192,6 +314,13 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.
     ``CheckpointError`` when ``path`` does not exist or is neither kind, or when its tensors are wrong, and
     ``ConfigError`` for an invalid config. Every backend's ``Model.from_pretrained`` loads through this.
     """
+    if os.path.isfile(path) and os.fspath(path).lower().endswith(".gguf"):  # llama.cpp file (weights_converter/gguf.py)
+        from diffusiongemma.weights_converter.gguf import load_gguf_checkpoint
+
+        return load_gguf_checkpoint(path)
+    if os.path.isfile(path):
+        raise CheckpointError(f"{str(path)!r} is a file; a model is a directory (a converted diffusiongemma "
+                              f"checkpoint with {INDEX_FILE}, or a transformers checkpoint with config.json)")
     if not os.path.isdir(path):
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
     if is_converted_checkpoint(path):

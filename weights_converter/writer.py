@@ -8,29 +8,61 @@
 * ``ShardWriter`` packs tensors, in the order given, into ``weights-00001.safetensors``,
   ``weights-00002.safetensors``, ... so that no file exceeds ``shard_size`` bytes of tensor data
   unless one tensor alone is larger (a tensor is never split). It holds at most one shard's
-  tensors in memory.
-* ``atomic_directory`` builds the output in a hidden sibling directory and renames it into place
-  at the end, so a failed or interrupted conversion leaves no output directory behind.
+  tensors in memory. Every file's metadata carries the writer's random ``generation`` id, which the
+  index repeats, so that a reader can tell files of two conversions apart.
+* ``atomic_directory`` builds the output in a hidden sibling directory and swaps it into place at the
+  end (see its docstring for the guarantees), and removes the hidden directories that interrupted
+  conversions left behind.
+* A write that fails for lack of space or a file-size limit raises ``WriteError`` naming the file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import errno
+import hashlib
 import os
+import re
 import shutil
+import socket
+import sys
 import tempfile
+import time
+import uuid
 from typing import Iterator
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from diffusiongemma.reference.errors import CheckpointError, InputError
 from diffusiongemma.reference.weights import INDEX_FILE, STORAGE_DTYPES, to_float32
+from diffusiongemma.reference.weights import check_finite as _check_finite
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 WEIGHT_FILE_PATTERN = "weights-{:05d}.safetensors"
-_FINITE_CHECK_CHUNK = 1 << 22  # elements per chunk of the finiteness scan (bounds its temporary)
+STALE_AFTER_S = 24 * 3600  # a hidden partial directory untouched this long is removed whoever wrote it
+
+
+class WriteError(OSError):
+    """Writing the output failed (no space left, a file-size limit, an I/O error); the message names the
+    file and the cause, ``errno`` is the system's code. The partial output has been removed."""
+
+
+def _write_error(path: str, exc: BaseException) -> WriteError:
+    """A ``WriteError`` for a failed write of ``path`` (an ``OSError`` or safetensors' I/O error)."""
+    code = getattr(exc, "errno", None)
+    if code is None:
+        match = re.search(r"os error (\d+)", str(exc))
+        code = int(match.group(1)) if match else errno.EIO
+    reason = os.strerror(code)
+    hint = {errno.ENOSPC: "free some space or choose another destination",
+            errno.EFBIG: "a file-size limit (ulimit -f) is in force; raise it or use a smaller --shard-size",
+            errno.EDQUOT: "the disk quota is exhausted"}.get(code, "")
+    return WriteError(code, f"cannot write {path}: {reason}" + (f" ({hint})" if hint else ""))
 
 
 def to_storage(array: np.ndarray, dtype: str, name: str = "tensor") -> np.ndarray:
@@ -57,15 +89,9 @@ def to_storage(array: np.ndarray, dtype: str, name: str = "tensor") -> np.ndarra
 def check_finite(array: np.ndarray, name: str = "tensor") -> None:
     """Raise ``CheckpointError`` naming ``name`` if ``array`` holds a NaN or an infinity.
 
-    Scans in chunks so that the boolean temporary stays small for multi-gigabyte tensors.
+    The same rule as ``reference.weights.check_finite`` (one rule for every layout and loader).
     """
-    flat = array.reshape(-1)
-    for start in range(0, flat.size, _FINITE_CHECK_CHUNK):
-        chunk = flat[start:start + _FINITE_CHECK_CHUNK]
-        if not np.isfinite(chunk).all():
-            bad = int(np.count_nonzero(~np.isfinite(flat)))
-            raise CheckpointError(f"tensor {name!r} holds {bad} NaN or infinite value(s) "
-                                  f"(in {array.dtype}); refusing to write a broken checkpoint")
+    _check_finite(array, name, "refusing to write a broken checkpoint")
 
 
 class ShardWriter:
@@ -81,6 +107,7 @@ class ShardWriter:
             raise InputError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
         self.directory = os.fspath(directory)
         self.shard_size = shard_size
+        self.generation = uuid.uuid4().hex  # written into every file's metadata; the index repeats it
         self.weight_map: dict[str, str] = {}
         self.files: list[str] = []
         self._pending: dict[str, np.ndarray] = {}
@@ -103,7 +130,11 @@ class ShardWriter:
 
     def _flush(self) -> None:
         filename = WEIGHT_FILE_PATTERN.format(len(self.files) + 1)
-        save_file(self._pending, os.path.join(self.directory, filename), metadata={"format": "diffusiongemma"})
+        path = os.path.join(self.directory, filename)
+        try:
+            save_file(self._pending, path, metadata={"format": "diffusiongemma", "generation": self.generation})
+        except (OSError, SafetensorError) as exc:
+            raise _write_error(path, exc) from exc
         self.files.append(filename)
         self.weight_map.update({name: filename for name in self._pending})
         self._pending, self._pending_bytes = {}, 0
@@ -144,34 +175,222 @@ def _apply_umask(directory: str) -> None:
         os.chmod(os.path.join(directory, name), 0o666 & ~umask)
 
 
+# ---------------------------------------------------------------------------------------------- atomic output
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]  # names a writer's machine
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # linux/fs.h
+_AT_FDCWD = -100
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "riscv64": 276, "ppc64le": 357, "s390x": 347}
+
+
+def _process_start(pid: int) -> int:
+    """The start time of process ``pid`` in clock ticks since boot (Linux), 0 when unknown.
+
+    Together with the pid it identifies a process for good: a pid that has been reused has another start.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _alive(pid: int, start: int) -> bool:
+    """True unless process ``pid`` (started at ``start``, 0 = unknown) is certainly gone."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        pass
+    except OSError:
+        return True
+    if start and _process_start(pid) not in (0, start):
+        return False  # the pid now belongs to another process
+    return True
+
+
+def _renameat2(src: str, dst: str, flags: int) -> bool:
+    """``renameat2(src, dst, flags)`` through ctypes; False when the system or file system lacks it.
+
+    Raises ``OSError`` for a real failure (e.g. ``EEXIST`` under RENAME_NOREPLACE).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    a, b = os.fsencode(src), os.fsencode(dst)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        result = fn(_AT_FDCWD, a, _AT_FDCWD, b, flags)
+    else:
+        number = _SYS_RENAMEAT2.get(os.uname().machine)
+        if number is None:
+            return False
+        libc.syscall.restype = ctypes.c_long
+        result = libc.syscall(ctypes.c_long(number), ctypes.c_int(_AT_FDCWD), a, ctypes.c_int(_AT_FDCWD), b,
+                              ctypes.c_uint(flags))
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False  # kernel or file system without this flag (EPERM: seccomp filters)
+    raise OSError(code, f"renameat2({src!r}, {dst!r}): {os.strerror(code)}")
+
+
+def _swap(new: str, dst: str) -> bool:
+    """Atomically exchange the directories ``new`` and ``dst``; False when no atomic exchange exists here."""
+    if _renameat2(new, dst, _RENAME_EXCHANGE):
+        return True
+    if sys.platform == "darwin":  # renamex_np(..., RENAME_SWAP)
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = getattr(libc, "renamex_np", None)
+        if fn is not None and fn(os.fsencode(new), os.fsencode(dst), ctypes.c_uint(0x2)) == 0:
+            return True
+    return False
+
+
+def _fsync_tree(directory: str) -> None:
+    """Flush every file of ``directory`` and the directory itself to stable storage."""
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _hidden_name(dst: str, kind: str) -> str:
+    """Prefix of a hidden sibling of ``dst``: ``.<name>.<kind>-<host>-<pid>-<start>-`` (the owner is in the name)."""
+    pid = os.getpid()
+    return f".{os.path.basename(dst)}.{kind}-{_HOST}-{pid}-{_process_start(pid)}-"
+
+
+def _newest_mtime(path: str) -> float:
+    newest = os.lstat(path).st_mtime
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            try:
+                newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+            except OSError:
+                pass
+    return newest
+
+
+def cleanup_stale(dst: str | os.PathLike, stale_after: float = STALE_AFTER_S) -> list[str]:
+    """Remove (or put back) what interrupted conversions to ``dst`` left in its parent directory.
+
+    Candidates are only hidden siblings named by ``atomic_directory``: ``.<name>.partial-<host>-<pid>-
+    <start>-*`` (a directory being built, or an old checkpoint being deleted after a swap) and
+    ``.<name>.replaced-...`` (an old checkpoint moved aside by the two-rename fallback), plus the
+    ``.<name>.partial-XXXXXXXX[.replaced]`` directories of earlier versions. One is touched only if its
+    writer is certainly gone: same machine and that process (pid and start time) no longer runs, or
+    nothing in it was modified for ``stale_after`` seconds (another machine, an unnamed owner). A
+    ``.replaced`` directory whose writer died while ``dst`` is missing is the interrupted replace's old
+    checkpoint: it is renamed back to ``dst`` instead of being removed. Returns the paths handled.
+    """
+    dst = os.path.abspath(os.fspath(dst))
+    parent, base = os.path.dirname(dst), os.path.basename(dst)
+    owned = re.compile(rf"^\.{re.escape(base)}\.(partial|replaced)-([0-9a-f]{{8}})-(\d+)-(\d+)-")
+    legacy = re.compile(rf"^\.{re.escape(base)}\.partial-[A-Za-z0-9_]{{8}}(\.replaced)?$")
+    handled = []
+    try:
+        entries = sorted(os.listdir(parent))
+    except OSError:
+        return handled
+    now = time.time()
+    for entry in entries:
+        path = os.path.join(parent, entry)
+        match, old_style = owned.match(entry), legacy.match(entry)
+        if not (match or old_style) or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        try:
+            old = now - _newest_mtime(path) > stale_after
+        except OSError:
+            continue
+        dead = bool(match) and match.group(2) == _HOST and not _alive(int(match.group(3)), int(match.group(4)))
+        if not (dead or old):
+            continue
+        replaced = (match.group(1) == "replaced") if match else bool(old_style.group(1))
+        try:
+            if replaced and not os.path.lexists(dst) and os.path.isfile(os.path.join(path, INDEX_FILE)):
+                os.rename(path, dst)  # an interrupted fallback replace: the old checkpoint goes back
+            else:
+                shutil.rmtree(path)
+        except OSError:
+            continue
+        handled.append(path)
+    return handled
+
+
 @contextlib.contextmanager
 def atomic_directory(dst: str | os.PathLike, force: bool = False) -> Iterator[str]:
-    """Yield a fresh temporary sibling of ``dst``; on success rename it to ``dst``.
+    """Yield a fresh hidden sibling of ``dst`` to write into; on success put it in place as ``dst``.
 
-    On any exception, ``KeyboardInterrupt`` included, the temporary directory is removed, ``dst``
-    is left as it was (absent, or the old checkpoint under ``force``) and the exception propagates.
-    With ``force`` an existing ``dst`` (see ``check_destination``) is replaced only once the new
-    one is complete. Only a hard kill (SIGKILL, power loss) can leave a ``.<name>.partial-*``
-    directory behind.
+    Guarantees (readers: ``reference.weights.load_converted``):
+
+    * Nothing half-written is ever visible at ``dst``: the files are written and flushed (fsync) in a
+      hidden sibling ``.<name>.partial-<host>-<pid>-<start>-XXXX``, which becomes ``dst`` in one rename.
+    * A ``force`` replace never leaves ``dst`` missing: the new directory and the old one are swapped in
+      one atomic step, ``renameat2(RENAME_EXCHANGE)`` on Linux (``renamex_np(RENAME_SWAP)`` on macOS);
+      only then is the old one, now under the hidden name, deleted. A kill at any moment leaves ``dst``
+      holding the old or the new checkpoint, whole. Where no atomic exchange exists (another OS, a file
+      system without it) the old directory is renamed to ``.<name>.replaced-...`` and the new one into
+      place: a kill between the two renames leaves ``dst`` missing for a moment, and the next run puts
+      the old one back (``cleanup_stale``).
+    * A reader that opened ``dst`` before the swap keeps reading the old directory through its handle;
+      each weight file names the conversion's ``generation``, so a reader that mixes files notices.
+    * On any exception, ``KeyboardInterrupt`` included, the hidden directory is removed, ``dst`` is left
+      as it was (absent, or the old checkpoint under ``force``) and the exception propagates. Only a
+      hard kill (SIGKILL, power loss) leaves a hidden directory behind, and the next run to the same
+      ``dst`` removes it once its writer is gone (``cleanup_stale``).
     """
     dst = os.path.abspath(os.fspath(dst))
     check_destination(dst, force)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.partial-", dir=os.path.dirname(dst))
+    cleanup_stale(dst)
+    check_destination(dst, force)  # a put-back old checkpoint now occupies dst
+    parent = os.path.dirname(dst)
+    tmp = tempfile.mkdtemp(prefix=_hidden_name(dst, "partial"), dir=parent)
     try:
         yield tmp
         _apply_umask(tmp)
+        _fsync_tree(tmp)
         check_destination(dst, force)  # something may have appeared at dst meanwhile
         if os.path.lexists(dst):
-            old = tmp + ".replaced"
-            os.rename(dst, old)
-            try:
-                os.rename(tmp, dst)
-            except BaseException:
-                os.rename(old, dst)
-                raise
-            shutil.rmtree(old)
+            if _swap(tmp, dst):  # tmp now holds the old checkpoint
+                _fsync_dir(parent)
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                old = tempfile.mkdtemp(prefix=_hidden_name(dst, "replaced"), dir=parent)
+                os.rename(dst, old)  # replaces the empty placeholder directory
+                try:
+                    os.rename(tmp, dst)
+                except BaseException:
+                    os.rename(old, dst)
+                    raise
+                _fsync_dir(parent)
+                shutil.rmtree(old, ignore_errors=True)
         else:
-            os.rename(tmp, dst)
+            if not _renameat2(tmp, dst, _RENAME_NOREPLACE):
+                os.rename(tmp, dst)
+            _fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
