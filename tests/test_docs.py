@@ -25,6 +25,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +149,11 @@ def test_document_examples_run(path):
         assert test.examples, f"{path.name} has no runnable examples"
     runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     report: list[str] = []
-    runner.run(test, out=report.append)
+    printing = np.get_printoptions()  # an example may change how NumPy prints; keep that local
+    try:
+        runner.run(test, out=report.append)
+    finally:
+        np.set_printoptions(**printing)
     assert runner.failures == 0, "".join(report)
 
 
