@@ -149,7 +149,7 @@ def hf_generate(model, prompt, setup: Setup):
 def ours_generate(model, prompt, setup: Setup):
     C = model.config.canvas_length
     generate = fast.generate if isinstance(model, fast.Model) else reference_generate
-    return generate(model, prompt, random=0, progress=False, max_new_tokens=setup.canvases * C,
+    return generate(model, prompt, random=0, max_new_tokens=setup.canvases * C,
                     max_denoising_steps=setup.steps, stability_threshold=None, eos_token_id=())
 
 

@@ -144,7 +144,7 @@ def bench_config(label: str, spec: TinySpec, prompt_len: int, steps: int, device
     # ---- one canvas of generation, every step executed
     gen_kwargs = dict(max_new_tokens=C, max_denoising_steps=steps, stability_threshold=None,
                       confidence_threshold=None, eos_token_id=[], pad_token_id=None)
-    results["ours"]["generate"] = timed(lambda: gpu.generate(ours, prompt, random=0, progress=False, **gen_kwargs),
+    results["ours"]["generate"] = timed(lambda: gpu.generate(ours, prompt, random=0, **gen_kwargs),
                                         sync, repeats=3)
 
     def hf_generate(model):

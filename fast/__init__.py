@@ -1,9 +1,10 @@
 """The fast CPU path of DiffusionGemma: the reference's model on compiled kernels and reused buffers.
 
 ``Model`` has the reference's interface (``from_pretrained(path, device="cpu")``, ``new_cache``, ``encode``,
-``denoise``); ``KVCache`` is its preallocated cache; ``generate`` is the reference's generation loop with
-the fused sampling pass. Configuration, weight loading, errors, draw sources and ``GenerationConfig`` are
-the reference's own (``diffusiongemma.reference``).
+``denoise``); ``KVCache`` is its preallocated cache; ``generate`` is the reference's one generation loop,
+which runs a ``fast.Model`` on its own denoising step (``backend.CpuBackend``: the fused decoder buffer and
+sampling pass). Configuration, weight loading, errors, draw sources and ``GenerationConfig`` are the
+reference's own (``diffusiongemma.reference``).
 """
 
 import os
@@ -16,7 +17,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .cache import KVCache  # noqa: E402
-from .generate import generate  # noqa: E402
+from diffusiongemma.reference.generate import generate  # noqa: E402  (the one loop; fast.Model brings its backend)
 from .model import DEVICES, Model  # noqa: E402
 
 __all__ = ["Model", "KVCache", "generate", "DEVICES"]

@@ -36,11 +36,13 @@ import numpy as np
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.errors import ConfigError, InputError
 from diffusiongemma.reference.model import check_attention_mask, check_token_ids
+from diffusiongemma.reference.observer import NULL_OBSERVER
 from diffusiongemma.reference.primitives import rope_inverse_frequencies
 from diffusiongemma.reference.weights import check_tensors, load_checkpoint
 
 from . import _kernels
 from .attention import attend
+from .backend import CpuBackend
 from .cache import KVCache
 
 DEVICES = ("cpu",)  # devices this module can run on ("cuda" lives elsewhere)
@@ -194,6 +196,11 @@ class Model:
         Raises ``InputError`` unless batch_size is a positive integer.
         """
         return KVCache(self.config, batch_size, capacity)
+
+    def denoising_backend(self, draws, batch_size: int, denoiser=None, observer=NULL_OBSERVER) -> CpuBackend:
+        """The per-step compute the generation loop (``reference.generate.generate``) runs this model with:
+        the fused decoder buffer and sampling pass (``fast.backend.CpuBackend``)."""
+        return CpuBackend(self, draws, batch_size, denoiser=denoiser, observer=observer)
 
     # ------------------------------------------------------------------ input checks (the reference's)
     def _check_ids(self, name: str, ids: np.ndarray, cache: KVCache) -> np.ndarray:

@@ -28,8 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from diffusiongemma.reference.errors import SamplingError
-from diffusiongemma.reference.sampling import entropy_bound_accept, renoise
+from diffusiongemma.reference.sampling import entropy_bound_accept, raise_for_logit_flags, renoise
 
 from . import _kernels
 
@@ -88,34 +87,10 @@ class FusedSampler:
         _kernels.sample_rows(logits.reshape(B * C, V), probs.reshape(B * C, V), flat_rows, T, u, self._scratch,
                              draft, entropies, sampled if sampled is not None else np.empty(0, np.int64), flags)
         if flags.any():
-            _raise_for_bad_rows(flat_rows, flags, C, temperature)
+            raise_for_logit_flags(flat_rows, flags, C, temperature)
         n = rows.shape[0]
         return StepResult(draft.reshape(n, C), entropies.reshape(n, C),
                           None if sampled is None else sampled.reshape(n, C))
-
-
-def _raise_for_bad_rows(flat_rows: np.ndarray, flags: np.ndarray, C: int, temperature: np.float32 | None) -> None:
-    """Raise the ``SamplingError`` that ``reference.sampling.check_logits`` raises for the same logits.
-
-    The reference checks the raw logits first, then the processed ones, and within each stage reports the
-    first (row, position) holding NaN, else +inf, else only -inf. ``flags`` (from the kernel) say which
-    of these each processed row has: 1 NaN, 2 +inf after the division, 4 all -inf after it, 8 +inf in
-    the raw logits, 16 all -inf in the raw logits.
-    """
-    order = np.argsort(flat_rows, kind="stable")
-    rows, flags = flat_rows[order], flags[order]
-    stages = [("denoiser logits", ((1, "NaN"), (8, "+inf"), (16, "no finite value (all -inf)")))]
-    if temperature is not None:
-        stages.append((f"logits divided by temperature {float(temperature)!r}",
-                       ((1, "NaN"), (2, "+inf"), (4, "no finite value (all -inf)"))))
-    for what, checks in stages:
-        for bit, reason in checks:
-            hit = np.flatnonzero(flags & bit)
-            if hit.size:
-                flat = int(rows[hit[0]])
-                raise SamplingError(f"{what} at (row, position) {(flat // C, flat % C)} hold {reason}; "
-                                    "cannot sample a token")
-    raise SamplingError("logits cannot be sampled (flagged by the sampling kernel)")  # not reached
 
 
 def sampling_step(logits: np.ndarray, temperature: np.float32 | None, uniforms: np.ndarray, noise: np.ndarray,

@@ -1,278 +1,57 @@
-"""Block-diffusion generation: the loop over canvases and denoising steps.
+"""Block-diffusion generation: the one loop over canvases and denoising steps, for every backend.
 
-    prompt -> encode -> for each canvas (block of C tokens):
+    prompt -> encode -> for each canvas k (a block of C tokens):
         canvas <- C uniform random ids
-        for cur_step n = N, N-1, ..., 1 (until every row is finished):
-            logits <- denoise(canvas, cache, self-conditioning logits)
-            sampler stages (sampling.py) -> draft, next canvas, finished rows
-        commit the draft, apply EOS/pad, encode it, next canvas
+        for cur_step n = N, N-1, ..., 1 (until every row has finished denoising):
+            backend.step:   logits <- denoise(canvas, cache, self-conditioning); T_n-scaled logits ->
+                            draft (argmax), categorical draw, entropies             (SPEC §8.2 b-e)
+            acceptance under the entropy bound, renoising of the rest                (f, g)
+            freeze rows that had finished, stable-and-confident stopping             (h, i)
+        commit the draft, apply EOS/pad, encode it, next canvas                      (SPEC §8.2 steps 4-5)
 
 ``generate`` reproduces transformers 5.24.0 ``DiffusionGemmaGenerationMixin.generate`` (SPEC §8) for the
 text path with its default dynamic cache: same lengths, same order of random draws, same tokens given the
-same logits and draws. The model is reached only through ``model.config`` (``vocab_size``,
-``canvas_length``), ``model.new_cache(B)``, ``model.encode`` and ``model.denoise``; the last two can be
-replaced (``encoder=``, ``denoiser=``), which is how the tests replay transformers' own logits.
+same logits and draws.
+
+The loop is written once. What differs between the reference, the CPU fast path and the GPU is only the
+per-step compute, behind ``DenoisingBackend`` (a decoder pass and the sampling stages on the backend's own
+arrays). ``ReferenceBackend`` below is the specification: the model's ``denoise`` and the full-array stages
+of ``sampling.py``. A model supplies its own backend through ``model.denoising_backend(...)``
+(``fast.Model``: fused decoder buffer and sampling kernel; ``fast.gpu.Model``: device buffer and kernels);
+any other model, or a replaced ``denoiser``, runs on ``ReferenceBackend``.
 
 Differences from transformers, all deliberate: bad settings raise ``ConfigError`` / ``InputError`` instead
 of being accepted or failing later (an integer ``confidence_threshold`` such as 10 is accepted as 10.0; a
 ``max_length`` that leaves no room after the prompt is an error instead of returning the prompt alone);
-NaN logits raise ``SamplingError``; randomness comes from an explicit ``DrawSource``.
+NaN logits raise ``SamplingError``; randomness comes from an explicit ``DrawSource``; the library prints
+nothing (progress is drawn by the command line from the callback).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
-import json
+import contextlib
 import math
-import numbers
-import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
 import numpy as np
 
 from .draws import DrawSource, as_draw_source
 from .errors import ConfigError, InputError
+from .generation_config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
+from .observer import NULL_OBSERVER, CanvasInfo, GenerationCallback, Observer, StepInfo, notify, readonly
 from .sampling import (StableAndConfident, argmax_tokens, check_logits, entropy_bound_accept, finalize_canvas,
                        freeze_rows, renoise, scale_logits, softmax_and_entropy, temperature, tokens_per_forward)
 
 __all__ = ["GenerationConfig", "GenerationResult", "GenerationCallback", "StepInfo", "CanvasInfo", "generate",
-           # the loop's plumbing, shared with the fast paths (fast/generate.py, fast/gpu.py):
-           "resolve_config", "check_special_ids", "check_prompt", "check_start_canvas", "check_start_sc_logits",
-           "new_token_budget", "run_denoiser", "notify", "readonly", "commit_canvas", "finish_run"]
+           "DenoisingBackend", "StepOutput", "ReferenceBackend", "run_denoiser", "resolve_config",
+           "check_special_ids", "check_prompt", "check_start_canvas", "check_start_sc_logits", "new_token_budget",
+           "STOP_EOS", "STOP_MAX_LENGTH", "STOP_MAX_NEW_TOKENS"]
 
-DEFAULT_MAX_NEW_TOKENS = 256  # transformers lets max_length take over only while max_new_tokens has this value
-SAMPLER_CLASS_NAME = "EntropyBoundSamplerConfig"  # the only sampler transformers knows
-# generation_config.json keys that transformers accepts but that do not change the text-only reference loop.
-_IGNORED_KEYS = frozenset({"return_dict_in_generate", "cache_config", "disable_compile", "bos_token_id",
-                           "_commit_hash", "_from_model_config", "transformers_version"})
-
-
-# ================================================================================================ configuration
-@dataclass(frozen=True)
-class GenerationConfig:
-    """Settings of ``generate``, with transformers' ``DiffusionGemmaGenerationConfig`` names and defaults.
-
-    Build it directly, with ``from_dict`` / ``from_pretrained`` (a checkpoint's ``generation_config.json``),
-    or derive one with ``replace(**changes)``. Every value is checked on construction; a bad one raises
-    ``ConfigError`` naming the field and the value.
-    """
-
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # tokens to generate; rounded up to whole canvases, never truncated
-    max_length: int | None = None  # total length bound (prompt, cache included, + new); takes over only while
-    #                                max_new_tokens is 256, and once set also stops when the output reaches it
-    max_denoising_steps: int = 48  # N: most denoising steps per canvas; also the schedule's denominator
-    entropy_bound: float = 0.1  # β of the acceptance rule (JSON: sampler_config.entropy_bound)
-    t_min: float | None = 0.4  # temperature of the (never reached) step 0; None with t_max: no schedule
-    t_max: float | None = 0.8  # temperature of the first step; must exceed t_min
-    stability_threshold: int | None = 1  # s: the draft must repeat over s+1 steps (0: no stability needed);
-    #                                      None (or confidence None): no adaptive stopping, always N steps
-    confidence_threshold: float | None = 0.005  # γ: stop needs mean entropy < γ (nats, strict)
-    eos_token_id: tuple[int, ...] = ()  # ids that end a row (an int or a list is accepted); () = none
-    pad_token_id: int | None = None  # id written after EOS; None disables every pad rewrite
-
-    def __post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
-        set_("max_new_tokens", _integer("max_new_tokens", self.max_new_tokens, minimum=1))
-        set_("max_length", _integer("max_length", self.max_length, minimum=1, optional=True))
-        set_("max_denoising_steps", _integer("max_denoising_steps", self.max_denoising_steps, minimum=1))
-        set_("entropy_bound", _real("entropy_bound", self.entropy_bound, positive=True))
-        set_("t_min", _real("t_min", self.t_min, positive=False, optional=True))
-        set_("t_max", _real("t_max", self.t_max, positive=False, optional=True))
-        if self.t_min is not None and self.t_max is not None and not self.t_max > self.t_min:
-            raise ConfigError(f"t_max ({self.t_max!r}) must be greater than t_min ({self.t_min!r})")
-        set_("stability_threshold", _integer("stability_threshold", self.stability_threshold, minimum=0,
-                                             optional=True))
-        set_("confidence_threshold", _real("confidence_threshold", self.confidence_threshold, positive=True,
-                                           optional=True))
-        set_("eos_token_id", _token_ids("eos_token_id", self.eos_token_id))
-        set_("pad_token_id", _integer("pad_token_id", self.pad_token_id, minimum=0, optional=True))
-
-    # -------------------------------------------------------------------------------------------- derived
-    @property
-    def uses_temperature(self) -> bool:
-        """True when the linear temperature schedule applies (transformers needs both t_min and t_max)."""
-        return self.t_min is not None and self.t_max is not None
-
-    @property
-    def uses_adaptive_stopping(self) -> bool:
-        """True when the stable-and-confident rule exists (both thresholds set), enabling early exit."""
-        return self.stability_threshold is not None and self.confidence_threshold is not None
-
-    def replace(self, **changes: Any) -> "GenerationConfig":
-        """A copy with some fields changed (validated). Raises ``ConfigError`` for an unknown field."""
-        names = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(changes) - names)
-        if unknown:
-            raise ConfigError(f"unknown generation setting(s) {unknown}; known: {sorted(names)}")
-        return dataclasses.replace(self, **changes)
-
-    # -------------------------------------------------------------------------------------------- files
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "GenerationConfig":
-        """Read transformers' ``generation_config.json`` layout.
-
-        The entropy bound lives in ``sampler_config = {"_cls_name": "EntropyBoundSamplerConfig",
-        "entropy_bound": ...}``. A null value means "not set", so the default applies (transformers fills
-        unset fields from its global defaults). Keys transformers accepts but the reference does not need
-        (``return_dict_in_generate``, ``bos_token_id``, metadata...) are ignored; ``cache_implementation``
-        must be absent, null or "dynamic" (other caches change the numbers; SPEC §8.5). Any other key raises
-        ``ConfigError``, as transformers does.
-        """
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"a generation config must be a JSON object, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)} - {"entropy_bound"}
-        values: dict[str, Any] = {}
-        for key, value in data.items():
-            if key in _IGNORED_KEYS:
-                continue
-            if key == "cache_implementation":
-                if value not in (None, "dynamic"):
-                    raise ConfigError(f"cache_implementation {value!r} is not supported: the reference reproduces "
-                                      "the default dynamic cache only")
-            elif key == "sampler_config":
-                bound = _sampler_entropy_bound(value)
-                if bound is not None:
-                    values["entropy_bound"] = bound
-            elif key in names:
-                if value is not None:
-                    values[key] = value
-            else:
-                raise ConfigError(f"unknown generation_config key {key!r}")
-        return cls(**values)
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "GenerationConfig":
-        """Read ``generation_config.json`` from a checkpoint directory (or that file itself).
-
-        Raises ``FileNotFoundError`` when the file is missing and ``ConfigError`` for invalid JSON or values.
-        """
-        file = os.path.join(path, "generation_config.json") if os.path.isdir(path) else os.fspath(path)
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"no generation config at {file!r}")
-        try:
-            with open(file, encoding="utf-8") as f:
-                data = json.load(f)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{file!r} is not valid JSON: {error}") from None
-        return cls.from_dict(data)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The transformers ``generation_config.json`` layout (``from_dict`` reads it back unchanged)."""
-        out: dict[str, Any] = {
-            "max_new_tokens": self.max_new_tokens,
-            "max_denoising_steps": self.max_denoising_steps,
-            "sampler_config": {"_cls_name": SAMPLER_CLASS_NAME, "entropy_bound": self.entropy_bound},
-            "t_min": self.t_min,
-            "t_max": self.t_max,
-            "stability_threshold": self.stability_threshold,
-            "confidence_threshold": self.confidence_threshold,
-            "eos_token_id": list(self.eos_token_id) if self.eos_token_id else None,
-            "pad_token_id": self.pad_token_id,
-        }
-        if self.max_length is not None:
-            out["max_length"] = self.max_length
-        return out
-
-
-def _sampler_entropy_bound(value: Any) -> float | None:
-    """The entropy bound inside a serialised ``sampler_config`` (None when unset)."""
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"sampler_config must be an object, got {value!r}")
-    cls_name = value.get("_cls_name", SAMPLER_CLASS_NAME)
-    if cls_name != SAMPLER_CLASS_NAME:
-        raise ConfigError(f"sampler_config._cls_name {cls_name!r} is not supported; only {SAMPLER_CLASS_NAME!r}")
-    unknown = sorted(set(value) - {"_cls_name", "entropy_bound"})
-    if unknown:
-        raise ConfigError(f"unknown sampler_config key(s) {unknown}")
-    return value.get("entropy_bound")
-
-
-def _integer(name: str, value: Any, minimum: int, optional: bool = False) -> int | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _real(name: str, value: Any, positive: bool, optional: bool = False) -> float | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {value!r}")
-    if positive and not value > 0:
-        raise ConfigError(f"{name} must be > 0, got {value!r}")
-    if not positive and value < 0:
-        raise ConfigError(f"{name} must be >= 0, got {value!r}")
-    return float(value)
-
-
-def _token_ids(name: str, value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    items = (value,) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
-    if isinstance(items, (str, bytes)) or not isinstance(items, (Sequence, np.ndarray)):
-        raise ConfigError(f"{name} must be an integer or a list of integers, got {value!r}")
-    return tuple(_integer(name, item, minimum=0) for item in items)
-
-
-# ================================================================================================ observability
-@dataclass(frozen=True)
-class StepInfo:
-    """What one denoising step did (passed to ``GenerationCallback.on_step``). Arrays are read-only.
-
-    Frozen rows (finished denoising before this step) report their frozen draft, canvas and entropies and
-    an all-False ``accepted`` row.
-    """
-
-    canvas_index: int  # k: which canvas (0-based)
-    step: int  # transformers' cur_step: N at the first step, counting down
-    step_index: int  # 0-based count of steps executed in this canvas (N - step)
-    temperature: float | None  # T of this step (float32 value), None without a schedule
-    draft: np.ndarray  # (B, C) int64 argmax of the processed logits: what would be committed now
-    sampled: np.ndarray  # (B, C) int64 categorical draws
-    accepted: np.ndarray  # (B, C) bool: positions whose draw entered the next canvas
-    canvas: np.ndarray  # (B, C) int64 the next canvas (accepted draws, fresh noise elsewhere)
-    entropies: np.ndarray  # (B, C) float32 per-position entropy (nats) of the processed logits
-    finished: np.ndarray  # (B,) bool: rows whose denoising has stopped after this step
-
-
-@dataclass(frozen=True)
-class CanvasInfo:
-    """A committed canvas (passed to ``GenerationCallback.on_canvas``). Arrays are read-only."""
-
-    canvas_index: int  # k
-    tokens: np.ndarray  # (B, C) int64 as appended to the output (after the EOS/pad rules)
-    finished: np.ndarray  # (B,) bool: rows that have ended (EOS seen, or the max-length rule)
-    steps: int  # denoising steps executed for this canvas
-
-
-class GenerationCallback:
-    """Observer of a generation run (transformers' streamer idea: ``put_draft`` per step, ``put`` per block).
-
-    Subclass and override what you need; ``generate`` also accepts any object that has some of these
-    methods (missing ones are skipped). Callbacks must not modify the arrays they receive (they are
-    read-only views).
-    """
-
-    def on_prompt(self, input_ids: np.ndarray) -> None:
-        """Called once with the prompt (B, P) before anything runs."""
-
-    def on_step(self, info: StepInfo) -> None:
-        """Called after every executed denoising step."""
-
-    def on_canvas(self, info: CanvasInfo) -> None:
-        """Called after every committed canvas."""
-
-    def on_end(self, result: "GenerationResult") -> None:
-        """Called once with the result."""
+# Why a row stopped (``GenerationResult.stop_reasons``).
+STOP_EOS = "eos"  # an EOS id appeared in a committed canvas
+STOP_MAX_LENGTH = "max_length"  # the output reached the user's max_length (transformers' MaxLengthCriteria)
+STOP_MAX_NEW_TOKENS = "max_new_tokens"  # the token budget's canvases were all made
 
 
 @dataclass
@@ -284,36 +63,146 @@ class GenerationResult:
     steps_per_canvas: list[int] = field(default_factory=list)  # denoising steps executed, per canvas
     forward_passes: np.ndarray | None = None  # (B,) int64: decoder passes counted per row
     cache: Any = None  # the cache; it lacks the last canvas (never encoded; trap T23)
+    stop_reasons: list[dict] = field(default_factory=list)  # per row {"reason": STOP_*, "canvas": k}
 
 
-def notify(callback: Any, method: str, argument: Any) -> None:
-    """Call ``callback.<method>(argument)`` if the callback exists and has that method (duck typing)."""
-    handler = getattr(callback, method, None) if callback is not None else None
-    if handler is not None:
-        handler(argument)
-
-
-def readonly(array: np.ndarray) -> np.ndarray:
-    """A read-only view of ``array`` (what callbacks, denoisers and encoders receive)."""
-    view = array.view()
-    view.flags.writeable = False
-    return view
-
-
-# ================================================================================================ the loop
+# ================================================================================================ backends
 Denoiser = Callable[[np.ndarray, Any, "np.ndarray | None"], np.ndarray]
 Encoder = Callable[[np.ndarray, Any, "np.ndarray | None"], Any]
 
 
+class StepOutput(NamedTuple):
+    """What a backend's denoising step gives the loop, each (B, C). Rows that had already finished denoising
+    may hold anything (the loop keeps their frozen values), except ``sampled``, which is reported as is."""
+
+    draft: np.ndarray  # int64 argmax of the processed logits (SPEC §8.2 e)
+    sampled: np.ndarray  # int64 categorical draws from softmax(processed logits) (d)
+    entropies: np.ndarray  # float32 entropy (nats) of softmax(processed logits) (f)
+
+
+class DenoisingBackend(Protocol):
+    """The per-step compute of one backend, on its own arrays. The loop owns everything else.
+
+    ``begin_canvas(cache, sc_logits)``: a canvas starts; ``sc_logits`` (B, C, V) float32 is the caller's
+        self-conditioning input for its first step, or None (no self-conditioning).
+    ``step(canvas, finished, temp)``: one denoising step (SPEC §8.2 b-e) for canvas (B, C) int64; rows with
+        ``finished`` (B,) bool stopped denoising earlier and keep their self-conditioning input; ``temp`` is
+        the step's float32 temperature or None. Makes the categorical draw from the run's draw source (the
+        only draw of the step before renoising). Returns a ``StepOutput``. Raises ``SamplingError`` for
+        logits that cannot define a distribution, naming the stage (``sampling.check_logits``' message).
+    ``accept_and_renoise(entropies, sampled, noise, bound)``: (f, g) -> (accepted (B, C) bool, next canvas
+        (B, C) int64).
+    ``context()``: a context manager the whole run executes in (a GPU's device context).
+    """
+
+    def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None) -> None: ...
+
+    def step(self, canvas: np.ndarray, finished: np.ndarray, temp: np.float32 | None) -> StepOutput: ...
+
+    def accept_and_renoise(self, entropies: np.ndarray, sampled: np.ndarray, noise: np.ndarray,
+                           bound: float) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def context(self) -> Any: ...
+
+
+class ReferenceBackend:
+    """The specification of a denoising step: a decoder pass, then each sampler stage of ``sampling.py`` as
+    one full (B, C, V) array operation. Every row is decoded, also rows that finished denoising (as
+    transformers does); the loop discards their results.
+
+    denoise: (canvas (B, C) int64, cache, sc_logits (B, C, V) float32 or None) -> soft-capped logits
+        (B, C, V) float32 (``model.denoise`` or a replacement); its inputs are read-only.
+    draws: the run's ``DrawSource``. observer: receives the logits of every step.
+    The self-conditioning input of the next step is this step's processed (temperature-scaled) logits; a
+    row that had finished keeps its previous input (SPEC §7.1, §8.2 h).
+    """
+
+    def __init__(self, denoise: Denoiser, draws: DrawSource, vocab_size: int, observer: Observer = NULL_OBSERVER):
+        self.denoise, self.draws, self.V, self.observer = denoise, draws, int(vocab_size), observer
+        self.cache: Any = None
+        self.sc_logits: np.ndarray | None = None  # (B, C, V) float32 next step's self-conditioning input
+
+    def context(self) -> Any:
+        return contextlib.nullcontext()
+
+    def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None) -> None:
+        self.cache, self.sc_logits = cache, sc_logits
+
+    def step(self, canvas: np.ndarray, finished: np.ndarray, temp: np.float32 | None) -> StepOutput:
+        B, C = canvas.shape
+        logits = run_denoiser(self.denoise, canvas, self.cache, self.sc_logits, (B, C, self.V))  # (b)
+        self.observer.logits(logits)
+        check_logits(logits, "denoiser logits")
+        processed = scale_logits(logits, temp)  # (c) a new array: it may be modified below
+        if temp is not None:
+            check_logits(processed, f"logits divided by temperature {float(temp)!r}")
+        probs, entropies = softmax_and_entropy(processed)  # (d, f) (B, C, V), (B, C)
+        sampled = self.draws.categorical(probs)  # (d) (B, C)
+        draft = argmax_tokens(processed)  # (e)
+        if finished.any():  # (h) a row that stopped keeps its self-conditioning input
+            processed[finished] = self.sc_logits[finished]
+        self.sc_logits = processed  # (j)
+        return StepOutput(draft, sampled, entropies)
+
+    def accept_and_renoise(self, entropies: np.ndarray, sampled: np.ndarray, noise: np.ndarray,
+                           bound: float) -> tuple[np.ndarray, np.ndarray]:
+        accepted = entropy_bound_accept(entropies, bound)  # (f)
+        return accepted, renoise(sampled, accepted, noise)  # (g)
+
+
+def run_denoiser(denoise: Denoiser, canvas: np.ndarray, cache: Any, sc_logits: np.ndarray | None,
+                 shape: tuple[int, int, int]) -> np.ndarray:
+    """Call a denoiser on read-only inputs and check what it returns: (B, C, V) float32 logits."""
+    logits = denoise(readonly(canvas), cache, None if sc_logits is None else readonly(sc_logits))
+    logits = np.asarray(logits)
+    if logits.shape != shape:
+        raise InputError(f"the denoiser returned logits of shape {logits.shape}, expected {shape}")
+    if logits.dtype != np.float32:
+        raise InputError(f"the denoiser returned {logits.dtype} logits, expected float32")
+    return logits
+
+
+def make_backend(model: Any, draws: DrawSource, batch_size: int, denoiser: Denoiser | None, observer: Observer,
+                 options: Mapping[str, Any]) -> DenoisingBackend:
+    """The model's own backend (``model.denoising_backend``) when it has one, else ``ReferenceBackend`` over
+    ``denoiser`` or ``model.denoise`` (a ``denoise`` that takes ``observer`` gets the run's observer)."""
+    own = getattr(model, "denoising_backend", None)
+    if own is not None:
+        return own(draws, batch_size, denoiser=denoiser, observer=observer, **options)
+    if options:
+        raise InputError(f"backend_options {sorted(options)} given, but {type(model).__name__} has no backend "
+                         "of its own to pass them to")
+    if denoiser is None:
+        denoise = model.denoise
+        if _takes(denoise, "observer"):
+            def denoise(canvas, cache, sc_logits, _denoise=model.denoise):
+                return _denoise(canvas, cache, sc_logits, observer=observer)
+    else:
+        denoise = denoiser
+    return ReferenceBackend(denoise, draws, int(model.config.vocab_size), observer)
+
+
+def _takes(function: Any, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# ================================================================================================ the loop
 def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
              generation_config: GenerationConfig | None = None, *, random: DrawSource | int | None = None,
              denoiser: Denoiser | None = None, encoder: Encoder | None = None, cache: Any = None,
              decoder_input_ids: np.ndarray | None = None, self_conditioning_logits: np.ndarray | None = None,
-             callback: Any = None, progress: bool = True, trace: Any = None, **overrides: Any) -> GenerationResult:
+             callback: Any = None, trace: Observer | None = None, backend_options: Mapping[str, Any] | None = None,
+             **overrides: Any) -> GenerationResult:
     """Generate canvases of C tokens after ``input_ids`` by entropy-bound block diffusion.
 
     model: provides ``config.vocab_size`` (V), ``config.canvas_length`` (C), ``new_cache(B)``, and, unless
-        replaced, ``encode(ids, cache, mask)`` and ``denoise(canvas, cache, sc_logits)``.
+        replaced, ``encode(ids, cache, mask)`` and ``denoise(canvas, cache, sc_logits)``; optionally its own
+        per-step compute, ``denoising_backend(draws, B, denoiser=, observer=, **backend_options)``.
     input_ids: (B, P) int token ids in [0, V), P >= 1; with ``cache``, only the tokens not cached yet.
     attention_mask: (B, P) of 0/1 (1 = real token), for left padding. Positions are not shifted for
         padding (trap T18): the model sees pads as occupied positions that no query attends to. Committed
@@ -330,21 +219,22 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     decoder_input_ids: (B, C) starting canvas for the first canvas only (the random initial canvas is still
         drawn and discarded, trap T14). self_conditioning_logits: (B, C, V) float32 for the first step of the
         first canvas only (every other canvas starts without self-conditioning, trap T11).
-    callback: a ``GenerationCallback`` (or duck-typed object). progress: show tqdm bars on stderr.
-    trace: None, or a fresh ``trace.TraceRecorder`` that records the run (encoder K/V, per-step decoder
-        input, layer outputs, logits and sampler state, committed canvases, draws); call its ``save`` after.
-        The model's ``denoise`` receives it when it takes a ``trace`` argument (and no ``denoiser`` is given).
+    callback: a ``GenerationCallback`` (or duck-typed object): prompt, steps, canvases, result.
+    trace: an ``Observer`` of the run's internals, e.g. a fresh ``diffusiongemma.trace.TraceRecorder`` (call
+        its ``save`` after); it reaches the model's ``denoise`` when that takes an ``observer`` argument.
+    backend_options: keyword arguments for ``model.denoising_backend`` (tests and experiments).
 
     Lengths (SPEC §8.1): with L0 = P + cache length, ``max_new_tokens`` becomes ``max_length - L0`` when
     ``max_length`` is set and ``max_new_tokens`` is left at 256; the run makes at most
     ceil(max_new_tokens / C) canvases and the output keeps whole canvases. It stops early when every row
     has ended: an EOS id anywhere in a committed canvas, or (only when ``max_length`` is set) the output
     reaching ``max_length`` columns (transformers compares the output's columns, not counting the cache).
+    ``GenerationResult.stop_reasons`` says, per row, which rule ended it and in which canvas.
 
-    Per canvas (SPEC §8.2): encode the new tokens; draw the initial canvas; run the denoising steps of
-    ``sampling.py`` for cur_step N..1, counting a decoder pass for every row that is neither finished
-    denoising nor an ended sequence, until every row is finished; commit the draft; apply the EOS/pad
-    rules; the committed (rewritten) canvas is what gets encoded next.
+    Per canvas (SPEC §8.2): encode the new tokens; draw the initial canvas; run the denoising steps for
+    cur_step N..1, counting a decoder pass for every row that is neither finished denoising nor an ended
+    sequence, until every row is finished; commit the draft; apply the EOS/pad rules; the committed
+    (rewritten) canvas is what gets encoded next.
 
     Returns a ``GenerationResult``. Raises ``InputError`` for bad arrays or a model/denoiser returning the
     wrong shape or dtype, ``ConfigError`` for bad settings (also EOS/pad ids outside [0, V)),
@@ -358,172 +248,134 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     B, P = ids.shape
     start_canvas = check_start_canvas(decoder_input_ids, B, C, V)
     start_sc = check_start_sc_logits(self_conditioning_logits, B, C, V)
+    observer = NULL_OBSERVER if trace is None else trace
     draws = as_draw_source(random)
-    denoise = denoiser if denoiser is not None else model.denoise
+    observer.begin_run(model.config, config, ids, mask, draws=draws)
+    draws = observer.record_draws(draws)
+    backend = make_backend(model, draws, B, denoiser, observer, dict(backend_options or {}))
     encode = encoder if encoder is not None else model.encode
-    if cache is None:
-        cache = model.new_cache(B)
-    if trace is not None:
-        trace.begin_run(model.config, config, ids, mask, draws=draws)
-        draws = trace.record_draws(draws)
-        if denoiser is None and "trace" in inspect.signature(model.denoise).parameters:
-            denoise = functools.partial(model.denoise, trace=trace)
-    context_length = P + int(cache.length)  # transformers' cur_len
-    n_canvases = math.ceil(new_token_budget(config, context_length) / C)
-    stopper = (StableAndConfident(config.stability_threshold, config.confidence_threshold)
-               if config.uses_adaptive_stopping else None)
 
-    sequences = ids.copy()  # (B, P), grows by C per canvas
-    ended = np.zeros(B, dtype=bool)  # transformers' finished_sequences
-    forward_passes = np.zeros(B, dtype=np.int64)
-    steps_per_canvas: list[int] = []
-    new_ids, new_mask = ids, mask  # what the next encode call appends
-    notify(callback, "on_prompt", readonly(ids))
+    with backend.context():
+        cache = check_cache(model.new_cache(B) if cache is None else cache, B)
+        context_length = P + int(cache.length)  # transformers' cur_len
+        n_canvases = math.ceil(new_token_budget(config, context_length) / C)
+        if hasattr(cache, "reserve"):  # a preallocated cache sizes itself once for the whole run
+            cache.reserve(context_length + n_canvases * C)
+        stopper = (StableAndConfident(config.stability_threshold, config.confidence_threshold)
+                   if config.uses_adaptive_stopping else None)
 
-    from tqdm import tqdm
+        sequences = ids.copy()  # (B, P), grows by C per canvas
+        ended = np.zeros(B, dtype=bool)  # transformers' finished_sequences
+        stop_reasons: list[dict | None] = [None] * B
+        forward_passes = np.zeros(B, dtype=np.int64)
+        steps_per_canvas: list[int] = []
+        new_ids, new_mask = ids, mask  # what the next encode call appends
+        notify(callback, "on_prompt", readonly(ids))
 
-    canvas_bar = tqdm(total=n_canvases, desc="canvases", unit="canvas", disable=not progress, leave=False)
-    step_bar = tqdm(total=config.max_denoising_steps, desc="denoising", unit="step", disable=not progress,
-                    leave=False)
-    try:
         for k in range(n_canvases):
-            if trace is not None:
-                trace.begin_encode(new_ids, new_mask)
+            observer.begin_encode(new_ids, new_mask)
             encode(readonly(new_ids), cache, None if new_mask is None else readonly(new_mask))
-            if trace is not None:
-                trace.end_encode(cache)
-            initial = draws.canvas_ids(B, C, V)  # always drawn, even when a starting canvas is given
+            observer.end_encode(cache)
+            initial = draws.canvas_ids(B, C, V)  # always drawn, even when a starting canvas is given (T14)
             canvas = start_canvas if (k == 0 and start_canvas is not None) else initial
-            sc_logits = start_sc if k == 0 else None
-            step_bar.reset(total=config.max_denoising_steps)
-            if trace is not None:
-                trace.begin_canvas(canvas)
-            draft, steps = _denoise_canvas(k, canvas, sc_logits, cache, denoise, draws, stopper, config, ended,
-                                           forward_passes, callback, step_bar, V, trace)
+            observer.begin_canvas(canvas)
+            backend.begin_canvas(cache, start_sc if k == 0 else None)  # later canvases: no SC (T11)
+            draft, steps = denoise_canvas(k, canvas, backend, draws, stopper, config, ended, forward_passes,
+                                          callback, observer, n_canvases, V)
             steps_per_canvas.append(steps)
 
-            sequences, tokens, ended = commit_canvas(k, draft, steps, sequences, ended, config, callback)
-            if trace is not None:
-                trace.commit(tokens, ended)
-            canvas_bar.update(1)
+            sequences, tokens, ended = commit_canvas(k, draft, steps, sequences, ended, stop_reasons, config,
+                                                     callback, n_canvases)
+            observer.commit(tokens, ended)
             if ended.all():
                 break
             new_ids = tokens
             new_mask = None if mask is None else np.ones((B, C), dtype=np.int64)
-    finally:
-        step_bar.close()
-        canvas_bar.close()
 
-    if trace is not None:
-        trace.end_run(sequences)
-    return finish_run(sequences, P, forward_passes, steps_per_canvas, cache, config, callback)
-
-
-def commit_canvas(k: int, draft: np.ndarray, steps: int, sequences: np.ndarray, ended: np.ndarray,
-                  config: GenerationConfig, callback: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Commit canvas ``k``'s draft (SPEC §8.2 steps 4-5) and report it to the callback.
-
-    draft: (B, C) int64 argmax canvas; sequences: (B, T) int64 so far; ended: (B,) bool rows already over.
-    Applies the EOS/pad rules (``finalize_canvas``), plus transformers' MaxLengthCriteria when the user set
-    ``max_length`` (it compares the output's columns, the cache not counted). Returns (sequences with the
-    C new columns, the committed tokens (B, C), the new ended flags (B,)). Shared by every backend's loop.
-    """
-    B, C = draft.shape
-    reached_max_length = None
-    if config.max_length is not None:
-        reached_max_length = np.full(B, sequences.shape[1] + C >= config.max_length)
-    tokens, ended = finalize_canvas(draft, ended, config.eos_token_id, config.pad_token_id, reached_max_length)
-    sequences = np.concatenate([sequences, tokens], axis=1)
-    notify(callback, "on_canvas", CanvasInfo(k, readonly(tokens), readonly(ended.copy()), steps))
-    return sequences, tokens, ended
-
-
-def finish_run(sequences: np.ndarray, prompt_length: int, forward_passes: np.ndarray, steps_per_canvas: list[int],
-               cache: Any, config: GenerationConfig, callback: Any) -> GenerationResult:
-    """Build the ``GenerationResult`` (tokens per forward over the columns after the prompt) and report it
-    to the callback's ``on_end``. Shared by every backend's loop."""
+    observer.end_run(sequences)
+    last = len(steps_per_canvas) - 1
+    reasons = [r if r is not None else {"reason": STOP_MAX_NEW_TOKENS, "canvas": last} for r in stop_reasons]
     result = GenerationResult(
         sequences=sequences,
-        tokens_per_forward=tokens_per_forward(sequences[:, prompt_length:], forward_passes, config.pad_token_id),
+        tokens_per_forward=tokens_per_forward(sequences[:, P:], forward_passes, config.pad_token_id),
         steps_per_canvas=steps_per_canvas,
         forward_passes=forward_passes,
         cache=cache,
+        stop_reasons=reasons,
     )
     notify(callback, "on_end", result)
     return result
 
 
-def _denoise_canvas(k: int, canvas: np.ndarray, sc_logits: np.ndarray | None, cache: Any, denoise: Denoiser,
-                    draws: DrawSource, stopper: StableAndConfident | None, config: GenerationConfig,
-                    ended: np.ndarray, forward_passes: np.ndarray, callback: Any, step_bar: Any,
-                    V: int, trace: Any = None) -> tuple[np.ndarray, int]:
+def denoise_canvas(k: int, canvas: np.ndarray, backend: DenoisingBackend, draws: DrawSource,
+                   stopper: StableAndConfident | None, config: GenerationConfig, ended: np.ndarray,
+                   forward_passes: np.ndarray, callback: Any, observer: Observer, n_canvases: int,
+                   V: int) -> tuple[np.ndarray, int]:
     """Run the denoising steps of canvas ``k``; return its draft (B, C) int64 and the steps executed.
 
-    ``forward_passes`` (B,) is incremented in place. The letters refer to SPEC §8.2 step 3. ``trace``: a
-    ``TraceRecorder`` or None (see ``generate``).
+    ``forward_passes`` (B,) is incremented in place. The letters refer to SPEC §8.2 step 3.
     """
     B, C = canvas.shape
     N = config.max_denoising_steps
     draft = canvas  # transformers starts the draft as the initial canvas (overwritten by step 1)
-    entropies = None  # previous step's entropies, for frozen rows
+    entropies = np.zeros((B, C), dtype=np.float32)  # previous step's entropies, for frozen rows
     finished = np.zeros(B, dtype=bool)  # transformers' finished_denoising
     if stopper is not None:
         stopper.reset()
     step_index = 0
     for step_index, step in enumerate(range(N, 0, -1)):
         forward_passes += ~(finished | ended)  # (a) counted before the pass, for live rows only
-
-        if trace is not None:
-            trace.begin_step(~finished)
-        logits = run_denoiser(denoise, canvas, cache, sc_logits, (B, C, V))  # (b) (B, C, V) float32
-        if trace is not None:
-            trace.logits(logits)
-        check_logits(logits, "denoiser logits")
+        observer.begin_step(~finished)
         temp = temperature(step, N, config.t_min, config.t_max) if config.uses_temperature else None
-        processed = scale_logits(logits, temp)  # (c) a new array: it may be modified below
-        if temp is not None:
-            check_logits(processed, f"logits divided by temperature {float(temp)!r}")
-        probs, step_entropies = softmax_and_entropy(processed)  # (d, f) (B, C, V), (B, C)
-        sampled = draws.categorical(probs)  # (d) (B, C)
-        new_draft = argmax_tokens(processed)  # (e)
-        accepted = entropy_bound_accept(step_entropies, config.entropy_bound)  # (f)
-        noise = draws.renoise_ids(B, C, V)  # (g)
-        next_canvas = renoise(sampled, accepted, noise)
-
+        out = backend.step(canvas, finished, temp)  # (b)-(e)
+        noise = draws.renoise_ids(B, C, V)  # (g) drawn after the categorical draw
+        accepted, next_canvas = backend.accept_and_renoise(out.entropies, out.sampled, noise,
+                                                           config.entropy_bound)  # (f, g)
+        new_draft, step_entropies = out.draft, out.entropies
+        if finished.any():  # (h) rows that stopped keep their state while the others go on
+            new_draft = freeze_rows(finished, new_draft, draft)
+            next_canvas = freeze_rows(finished, next_canvas, canvas)
+            step_entropies = freeze_rows(finished, step_entropies, entropies)
+            accepted = accepted & ~finished[:, None]
         if stopper is not None:
-            if finished.any():  # (h) rows that stopped keep their state while the others go on
-                new_draft = freeze_rows(finished, new_draft, draft)
-                next_canvas = freeze_rows(finished, next_canvas, canvas)
-                processed[finished] = sc_logits[finished]
-                step_entropies = freeze_rows(finished, step_entropies, entropies)
-                accepted = accepted & ~finished[:, None]
             finished = finished | stopper(new_draft, step_entropies)  # (i)
 
-        sc_logits, canvas, draft, entropies = processed, next_canvas, new_draft, step_entropies  # (j)
-        if trace is not None:
-            trace.end_step(temperature=temp, draft=draft, sampled=sampled, entropies=entropies, accepted=accepted,
-                           canvas=canvas, finished=finished)
-        step_bar.update(1)
+        canvas, draft, entropies = next_canvas, new_draft, step_entropies  # (j)
+        observer.end_step(temperature=temp, draft=draft, sampled=out.sampled, entropies=entropies,
+                          accepted=accepted, canvas=canvas, finished=finished)
         notify(callback, "on_step", StepInfo(
             canvas_index=k, step=step, step_index=step_index,
             temperature=None if temp is None else float(temp), draft=readonly(draft),
-            sampled=readonly(sampled), accepted=readonly(accepted), canvas=readonly(canvas),
-            entropies=readonly(entropies), finished=readonly(finished.copy())))
+            sampled=readonly(out.sampled), accepted=readonly(accepted), canvas=readonly(canvas),
+            entropies=readonly(entropies), finished=readonly(finished.copy()), max_steps=N,
+            n_canvases=n_canvases))
         if finished.all():  # (k) only reachable with adaptive stopping
             break
     return draft, step_index + 1
 
 
-def run_denoiser(denoise: Denoiser, canvas: np.ndarray, cache: Any, sc_logits: np.ndarray | None,
-                  shape: tuple[int, int, int]) -> np.ndarray:
-    """Call the denoiser on read-only inputs and check what it returns."""
-    logits = denoise(readonly(canvas), cache, None if sc_logits is None else readonly(sc_logits))
-    logits = np.asarray(logits)
-    if logits.shape != shape:
-        raise InputError(f"the denoiser returned logits of shape {logits.shape}, expected {shape}")
-    if logits.dtype != np.float32:
-        raise InputError(f"the denoiser returned {logits.dtype} logits, expected float32")
-    return logits
+def commit_canvas(k: int, draft: np.ndarray, steps: int, sequences: np.ndarray, ended: np.ndarray,
+                  stop_reasons: list, config: GenerationConfig, callback: Any,
+                  n_canvases: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Commit canvas ``k``'s draft (SPEC §8.2 steps 4-5) and report it to the callback.
+
+    draft: (B, C) int64 argmax canvas; sequences: (B, T) int64 so far; ended: (B,) bool rows already over;
+    stop_reasons: (B,) list, filled in place for rows that end here. Applies the EOS/pad rules
+    (``finalize_canvas``), plus transformers' MaxLengthCriteria when the user set ``max_length`` (it compares
+    the output's columns, the cache not counted). Returns (sequences with the C new columns, the committed
+    tokens (B, C), the new ended flags (B,)).
+    """
+    B, C = draft.shape
+    reached_max_length = None
+    if config.max_length is not None:
+        reached_max_length = np.full(B, sequences.shape[1] + C >= config.max_length)
+    tokens, now_ended = finalize_canvas(draft, ended, config.eos_token_id, config.pad_token_id, reached_max_length)
+    has_eos = np.isin(draft, config.eos_token_id).any(axis=1) if config.eos_token_id else np.zeros(B, dtype=bool)
+    for b in np.flatnonzero(now_ended & ~ended):
+        stop_reasons[b] = {"reason": STOP_EOS if has_eos[b] else STOP_MAX_LENGTH, "canvas": k}
+    sequences = np.concatenate([sequences, tokens], axis=1)
+    notify(callback, "on_canvas", CanvasInfo(k, readonly(tokens), readonly(now_ended.copy()), steps, n_canvases))
+    return sequences, tokens, now_ended
 
 
 # ================================================================================================ input checks
@@ -604,3 +456,13 @@ def new_token_budget(config: GenerationConfig, context_length: int) -> int:
                              f"{context_length} prompt/cached tokens")
         return budget
     return config.max_new_tokens
+
+
+def check_cache(cache: Any, batch_size: int) -> Any:
+    """Refuse an object that is not a KV cache for ``batch_size`` rows (``InputError`` naming it)."""
+    length, rows = getattr(cache, "length", None), getattr(cache, "batch_size", batch_size)
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
+        raise InputError(f"cache must be a KV cache made by model.new_cache(batch_size), got {type(cache).__name__}")
+    if rows != batch_size:
+        raise InputError(f"cache holds {rows} rows but input_ids has {batch_size}")
+    return cache

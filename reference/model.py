@@ -23,6 +23,7 @@ from .config import ModelConfig
 from .errors import InputError
 from .layers import attend, feed_forward, project_qkv
 from .masks import decoder_visibility, encoder_visibility
+from .observer import NULL_OBSERVER, Observer
 from .primitives import embed, gated_mlp, rms_norm, rope_cos_sin, rope_inverse_frequencies, softcap
 from .weights import check_tensors, load_checkpoint
 
@@ -176,7 +177,8 @@ class Model:
         return rms_norm(e + signal, None, config.rms_norm_eps)
 
     def denoise(self, canvas: np.ndarray, cache: KVCache, self_conditioning_logits: np.ndarray | None = None,
-                self_conditioning_mask: np.ndarray | None = None, *, trace=None) -> np.ndarray:
+                self_conditioning_mask: np.ndarray | None = None, *,
+                observer: Observer = NULL_OBSERVER) -> np.ndarray:
         """One decoder pass: logits for every canvas position. Never writes the cache.
 
         canvas: (B, C) int token ids in [0, V), C = ``config.canvas_length``, at positions
@@ -185,8 +187,8 @@ class Model:
             last min(L, W - 1) they retain, plus the whole canvas, bidirectionally (SPEC §7.3).
         self_conditioning_logits: (B, C, V) float32 or None (first step of a canvas).
         self_conditioning_mask: (B,) bool or None (training: per-row switch for self-conditioning).
-        trace: None, or a ``trace.TraceRecorder`` inside a step: it receives the decoder input (after
-            self-conditioning) and, if ``trace.layers``, every layer's output (B, C, H).
+        observer: an ``observer.Observer`` (e.g. a trace recorder inside a step): it receives the decoder
+            input (after self-conditioning) and every layer's output (B, C, H).
         Returns soft-capped logits (B, C, V) float32 (upstream: lm_head output, cast to float32, then
         ``c * tanh(z / c)``).
         Raises ``InputError`` for a wrong canvas length, ids out of range, self-conditioning logits of the
@@ -209,8 +211,7 @@ class Model:
         positions = cache.length + np.arange(C, dtype=np.int64)
         tables = {kind: rope_cos_sin(np.broadcast_to(positions, (B, C)), omega) for kind, omega in self._omega.items()}
         h = self.canvas_input(ids, self_conditioning_logits, self_conditioning_mask)
-        if trace is not None:
-            trace.decoder_input(h)
+        observer.decoder_input(h)
         for l, w in enumerate(self.layers):
             x = rms_norm(h, w["input_layernorm"], config.rms_norm_eps)
             q, k, v = project_qkv(x, w, config, l, *tables[config.layer_types[l]])
@@ -218,8 +219,7 @@ class Model:
             values = np.concatenate([cache.values[l], v], axis=2)
             visible = decoder_visibility(cache.is_real[:, cache.positions(l)], C)  # (B, 1, T_l + C)
             h = self._block_tail(h, attend(q, keys, values, visible), w, w["decoder_layer_scalar"])
-            if trace is not None and trace.layers:
-                trace.decoder_layer(l, h)
+            observer.decoder_layer(l, h)
         return self.output_logits(h)
 
     def output_logits(self, h: np.ndarray) -> np.ndarray:

@@ -68,7 +68,6 @@ def prompt(batch=3, length=13, seed=0):
 def run_both(models, ids, compare_steps=True, **kwargs):
     ref, fst = models
     kwargs.setdefault("max_denoising_steps", STEPS)
-    kwargs.setdefault("progress", False)
     rec_ref, rec_fast = Steps(), Steps()
     a = reference_generate(ref, ids, callback=rec_ref, **kwargs)
     b = fast.generate(fst, ids, callback=rec_fast, **kwargs)
@@ -156,14 +155,14 @@ def test_first_canvas_and_self_conditioning_given(plain):
 def test_multi_turn_cache_and_max_length(plain):
     ref, fst = plain
     ids = prompt(batch=1, seed=6)
-    a = reference_generate(ref, ids, random=1, max_new_tokens=16, max_denoising_steps=STEPS, progress=False)
-    b = fast.generate(fst, ids, random=1, max_new_tokens=16, max_denoising_steps=STEPS, progress=False)
+    a = reference_generate(ref, ids, random=1, max_new_tokens=16, max_denoising_steps=STEPS)
+    b = fast.generate(fst, ids, random=1, max_new_tokens=16, max_denoising_steps=STEPS)
     assert_same_result(a, b)
     follow = np.concatenate([a.sequences[:, 13:], prompt(batch=1, length=4, seed=7)], axis=1)  # re-feed canvas
     c = reference_generate(ref, follow, cache=a.cache, random=2, max_length=13 + 16 + 20 + 30,
-                           max_denoising_steps=STEPS, progress=False)
+                           max_denoising_steps=STEPS)
     d = fast.generate(fst, follow, cache=b.cache, random=2, max_length=13 + 16 + 20 + 30,
-                      max_denoising_steps=STEPS, progress=False)
+                      max_denoising_steps=STEPS)
     assert_same_result(c, d)
     assert d.cache.length == b.cache.length == 13 + 16 + 20 + 16
 
@@ -172,7 +171,7 @@ def test_generic_draw_sources_record_and_replay(plain):
     """Non-seeded sources get the (B, C, V) probabilities, as in the reference; tapes are interchangeable."""
     ref, fst = plain
     ids = prompt(batch=2, seed=8)
-    kwargs = dict(max_new_tokens=32, max_denoising_steps=STEPS, progress=False)
+    kwargs = dict(max_new_tokens=32, max_denoising_steps=STEPS)
     recorded = RecordingDraws(SeededDraws(9))
     a = fast.generate(fst, ids, random=recorded, **kwargs)
     b = reference_generate(ref, ids, random=ReplayDraws(recorded.tape), **kwargs)
@@ -189,7 +188,7 @@ def test_external_denoiser_on_a_chaotic_model():
     fused. Same logits in, so the loops agree even on a peaked model with chaotic self-conditioning."""
     ref, _ = pair(25.0, contractive=False, seed=3)
     ids = prompt(seed=9)
-    kwargs = dict(random=11, max_new_tokens=32, max_denoising_steps=STEPS, progress=False,
+    kwargs = dict(random=11, max_new_tokens=32, max_denoising_steps=STEPS,
                   stability_threshold=1, confidence_threshold=2.0, eos_token_id=[5, 9], pad_token_id=0)
     a = reference_generate(ref, ids, **kwargs)
     assert_same_result(a, fast.generate(ref, ids, **kwargs))
@@ -219,7 +218,7 @@ def test_random_weights_are_chaotic():
     for model in (ref, wide):
         rec = Steps()
         reference_generate(model, prompt(seed=0), random=0, max_new_tokens=16, max_denoising_steps=12,
-                           callback=rec, progress=False)
+                           callback=rec)
         runs.append(_mean_entropies(rec.steps))
     gaps = np.abs(runs[0] - runs[1]).max(-1)
     assert gaps[0] < 1e-4 and gaps[-1] > 1e-2, gaps
@@ -238,7 +237,7 @@ def test_finished_rows_are_not_decoded(peaked):
 
     fst.decode_rows = spy
     try:
-        result = fast.generate(fst, ids, random=5, max_new_tokens=16, max_denoising_steps=STEPS, progress=False,
+        result = fast.generate(fst, ids, random=5, max_new_tokens=16, max_denoising_steps=STEPS,
                                stability_threshold=0, confidence_threshold=3.0)
     finally:
         del fst.decode_rows
@@ -251,16 +250,16 @@ def test_errors_match_the_reference(plain):
     bad = [dict(max_new_tokens=0), dict(t_min=0.9, t_max=0.8), dict(eos_token_id=[500]), dict(nonsense=1)]
     for kwargs in bad:
         with pytest.raises(ConfigError) as expected:
-            reference_generate(ref, ids, progress=False, **kwargs)
+            reference_generate(ref, ids, **kwargs)
         with pytest.raises(ConfigError) as got:
-            fast.generate(fst, ids, progress=False, **kwargs)
+            fast.generate(fst, ids, **kwargs)
         assert str(got.value) == str(expected.value)
     for call_kwargs in (dict(input_ids=np.array([[1, 999]])), dict(input_ids=ids, attention_mask=np.ones((1, 3))),
                         dict(input_ids=ids, decoder_input_ids=np.zeros((1, 15), np.int64))):
         with pytest.raises(InputError) as expected:
-            reference_generate(ref, progress=False, **call_kwargs)
+            reference_generate(ref, **call_kwargs)
         with pytest.raises(InputError) as got:
-            fast.generate(fst, progress=False, **call_kwargs)
+            fast.generate(fst, **call_kwargs)
         assert str(got.value) == str(expected.value)
 
     def nan_denoiser(model):
@@ -271,7 +270,7 @@ def test_errors_match_the_reference(plain):
         return denoise
 
     with pytest.raises(SamplingError) as expected:
-        reference_generate(ref, ids, denoiser=nan_denoiser(ref), progress=False, max_new_tokens=16)
+        reference_generate(ref, ids, denoiser=nan_denoiser(ref), max_new_tokens=16)
     with pytest.raises(SamplingError) as got:
-        fast.generate(fst, ids, denoiser=nan_denoiser(fst), progress=False, max_new_tokens=16)
+        fast.generate(fst, ids, denoiser=nan_denoiser(fst), max_new_tokens=16)
     assert str(got.value) == str(expected.value)

@@ -96,7 +96,7 @@ def free_run(hf, ours, prompt, seed, settings):
         return logits
 
     try:
-        result = generate(ours, prompt, random=ReplayDraws(rec.tape), denoiser=denoiser, progress=False, **settings)
+        result = generate(ours, prompt, random=ReplayDraws(rec.tape), denoiser=denoiser, **settings)
     except ReplayError as exc:  # our run asked for a draw transformers never made: it has already parted
         result = exc
     return rec, calls, result
@@ -160,7 +160,7 @@ def test_shipped_model_reproduces_transformers_token_for_token():
     prompt = np.array([load_text_side(path).encode("And God said unto Moses")])
     hf_kwargs = {k: v for k, v in settings.to_dict().items() if k != "sampler_config"}
     rec = record_transformers(hf, prompt, seed=0, **hf_kwargs)
-    result = generate(ours, prompt, generation_config=settings, random=ReplayDraws(rec.tape), progress=False)
+    result = generate(ours, prompt, generation_config=settings, random=ReplayDraws(rec.tape))
     np.testing.assert_array_equal(result.sequences, rec.sequences)
     np.testing.assert_array_equal(result.tokens_per_forward, rec.tokens_per_forward)
     assert result.steps_per_canvas == rec.steps_per_canvas

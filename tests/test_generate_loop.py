@@ -88,7 +88,6 @@ class Log(GenerationCallback):
 def run(script=None, B=2, P=4, seed=0, **kw):
     model = ScriptedModel(script or random_logits(seed))
     ids = np.random.default_rng(seed).integers(3, V, size=(B, P))
-    kw.setdefault("progress", False)
     log = Log()
     result = generate(model, ids, callback=log, **kw)
     return model, result, log
@@ -115,11 +114,10 @@ def test_max_length_takes_over_only_while_max_new_tokens_is_the_default():
 def test_cached_tokens_count_toward_max_length():
     model = ScriptedModel(random_logits(0))
     ids = np.full((1, 3), 5)
-    result = generate(model, ids, cache=StubCache(length=10), max_length=10 + 3 + C, max_denoising_steps=2,
-                      progress=False)
+    result = generate(model, ids, cache=StubCache(length=10), max_length=10 + 3 + C, max_denoising_steps=2)
     assert result.sequences.shape == (1, 3 + C)
     with pytest.raises(InputError, match="max_length 13 leaves no room"):
-        generate(model, ids, cache=StubCache(length=10), max_length=13, progress=False)
+        generate(model, ids, cache=StubCache(length=10), max_length=13)
 
 
 # ------------------------------------------------------------------------------------------------ draws and inputs
@@ -312,7 +310,7 @@ def test_bad_inputs_raise_the_documented_errors(kwargs, error, match):
     model = ScriptedModel(random_logits(0))
     kwargs = dict(dict(input_ids=np.array([[1, 2, 3]])), **kwargs)
     with pytest.raises(error, match=match):
-        generate(model, progress=False, **kwargs)
+        generate(model, **kwargs)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -322,8 +320,7 @@ def test_bad_inputs_raise_the_documented_errors(kwargs, error, match):
 def test_a_denoiser_returning_the_wrong_array_is_refused(bad, match):
     model = ScriptedModel(random_logits(0))
     with pytest.raises(InputError, match=match):
-        generate(model, np.array([[1, 2]]), denoiser=lambda c, cache, sc: bad(model.denoise(c, cache, sc)),
-                 progress=False)
+        generate(model, np.array([[1, 2]]), denoiser=lambda c, cache, sc: bad(model.denoise(c, cache, sc)))
 
 
 # ------------------------------------------------------------------------------------------------ observability
@@ -343,9 +340,11 @@ def test_callback_sees_every_step_and_canvas_with_read_only_arrays():
     np.testing.assert_array_equal(log.canvases[0].tokens, log.steps[3].draft)  # the draft is committed
 
 
-def test_default_randomness_is_seeded_and_reproducible_and_progress_bars_can_run():
+def test_default_randomness_is_seeded_and_reproducible_and_the_library_prints_nothing(capsys):
     a = run(max_new_tokens=C, max_denoising_steps=3)[1].sequences
-    b = run(max_new_tokens=C, max_denoising_steps=3, random=0, progress=True)[1].sequences
+    b = run(max_new_tokens=C, max_denoising_steps=3, random=0)[1].sequences
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err == "", "generate printed without a callback asking"
     c = run(max_new_tokens=C, max_denoising_steps=3, random=1)[1].sequences
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
@@ -355,8 +354,7 @@ def test_generation_config_precedence():
     model = ScriptedModel(random_logits(0))
     model.generation_config = GenerationConfig(max_denoising_steps=2, max_new_tokens=C)
     ids = np.array([[1, 2]])
-    assert generate(model, ids, progress=False).steps_per_canvas == [2]
+    assert generate(model, ids).steps_per_canvas == [2]
     explicit = GenerationConfig(max_denoising_steps=3, max_new_tokens=C)
-    assert generate(model, ids, generation_config=explicit, progress=False).steps_per_canvas == [3]
-    assert generate(model, ids, generation_config=explicit, max_denoising_steps=1,
-                    progress=False).steps_per_canvas == [1]
+    assert generate(model, ids, generation_config=explicit).steps_per_canvas == [3]
+    assert generate(model, ids, generation_config=explicit, max_denoising_steps=1).steps_per_canvas == [1]

@@ -192,7 +192,7 @@ def replay_ours(rec: Recording, input_ids, attention_mask=None, **settings):
     draws = ReplayDraws(rec.tape)
     log = StepLog()
     ours = generate(model, input_ids, attention_mask, random=draws, denoiser=denoiser, encoder=encoder,
-                    callback=log, progress=False, **settings)
+                    callback=log, **settings)
     draws.check_exhausted()
     assert next(calls, None) is None, "transformers made more decoder calls than we did"
     assert next(encodes, None) is None, "transformers made more encoder calls than we did"

@@ -154,9 +154,9 @@ def test_loop_matches_reference_loop_on_identical_logits(device, B, max_new, sta
                   eos_token_id=[1], pad_token_id=0, max_denoising_steps=12)
     rec_ref, rec_gpu = Recorder(), Recorder()
     expected = reference_generate(ref_model, prompt, random=SeededDraws(5), denoiser=lambda c, cache, sc: fake_logits(c),
-                                  callback=rec_ref, progress=False, **kwargs)
+                                  callback=rec_ref, **kwargs)
     got = gpu._generate(fast, prompt, None, None, random=SeededDraws(5), cache=None, decoder_input_ids=None,
-                        self_conditioning_logits=None, callback=rec_gpu, progress=False, overrides=kwargs,
+                        self_conditioning_logits=None, callback=rec_gpu, overrides=kwargs,
                         logits_hook=lambda c, rows: fake_logits(c))
     np.testing.assert_array_equal(got.sequences, expected.sequences)
     np.testing.assert_array_equal(got.tokens_per_forward, expected.tokens_per_forward)
@@ -183,7 +183,7 @@ def test_generation_trajectory_matches_reference(device, seed, B):
         return logits
 
     result = reference_generate(ref, prompt, random=seed, denoiser=recording_denoiser, max_new_tokens=32,
-                                max_denoising_steps=6, eos_token_id=[1], pad_token_id=0, progress=False)
+                                max_denoising_steps=6, eos_token_id=[1], pad_token_id=0)
     cache = fast.new_cache(B)
     fast.encode(prompt, cache)
     C = config.canvas_length
@@ -199,7 +199,7 @@ def test_seeded_generate_first_step_matches_reference(device):
     config = tiny_config()
     ref, fast = pair(config, device, seed=2, gain=25.0)
     prompt = np.random.default_rng(0).integers(3, 120, size=(2, 9))
-    kwargs = dict(max_new_tokens=32, max_denoising_steps=6, eos_token_id=[1], pad_token_id=0, progress=False)
+    kwargs = dict(max_new_tokens=32, max_denoising_steps=6, eos_token_id=[1], pad_token_id=0)
     mine, theirs = Recorder(), Recorder()
     got = gpu.generate(fast, prompt, random=3, callback=mine, **kwargs)
     expected = reference_generate(ref, prompt, random=3, callback=theirs, **kwargs)

@@ -244,14 +244,14 @@ def test_loop_matches_reference_loop_on_identical_logits(B, max_new, stability, 
     ref_model = ReferenceModel(config, random_tensors(config))
     prompt = np.random.default_rng(B).integers(3, 120, size=(B, 7))
     kwargs = dict(max_new_tokens=max_new, stability_threshold=stability, confidence_threshold=confidence,
-                  eos_token_id=[1], pad_token_id=0, max_denoising_steps=12, progress=False)
+                  eos_token_id=[1], pad_token_id=0, max_denoising_steps=12)
     source = (lambda: SeededDraws(5)) if draws == "seeded" else (lambda: RecordingDraws(SeededDraws(5)))
     rec_ref, rec_gpu = Recorder(), Recorder()
     expected = reference_generate(ref_model, prompt, random=source(), denoiser=lambda c, cache, sc: fake_logits(c),
                                   callback=rec_ref, **kwargs)
     got = gpu._generate(fast, prompt, None, None, random=source(), cache=None, decoder_input_ids=None,
-                        self_conditioning_logits=None, callback=rec_gpu, progress=False,
-                        overrides={k: v for k, v in kwargs.items() if k != "progress"},
+                        self_conditioning_logits=None, callback=rec_gpu,
+                        overrides=kwargs,
                         logits_hook=lambda c, rows: fake_logits(c))
     np.testing.assert_array_equal(got.sequences, expected.sequences)
     np.testing.assert_array_equal(got.tokens_per_forward, expected.tokens_per_forward)
@@ -282,7 +282,7 @@ def test_generate_on_the_emulated_model_keeps_one_vocab_buffer():
     prompt = np.random.default_rng(0).integers(3, 120, size=(2, 9))
     dev = fast.device
     dev.allocations.clear()
-    kwargs = dict(max_new_tokens=32, max_denoising_steps=6, eos_token_id=[1], pad_token_id=0, progress=False)
+    kwargs = dict(max_new_tokens=32, max_denoising_steps=6, eos_token_id=[1], pad_token_id=0)
     got = gpu.generate(fast, prompt, random=3, **kwargs)
     vocab_sized = [shape for shape, _ in dev.allocations if shape and shape[-1] == 211 and np.prod(shape) >= C * 211]
     assert vocab_sized == [(2, C, 211)], f"(canvas x vocab) buffers allocated: {vocab_sized}"
@@ -299,11 +299,16 @@ def test_generate_on_the_emulated_model_keeps_one_vocab_buffer():
     np.testing.assert_allclose(first.entropies, ref_first.entropies, atol=1e-4)
 
 
-def test_generate_rejects_custom_denoiser_and_reports_nan():
+def test_generate_takes_a_host_denoiser_like_the_reference_and_reports_nan():
     config = tiny_config()
-    _, fast = pair(config)
-    with pytest.raises(InputError, match="denoiser"):
-        gpu.generate(fast, np.ones((1, 3), dtype=np.int64), denoiser=lambda *a: None, progress=False)
+    ref, fast = pair(config)
+    prompt = np.ones((1, 3), dtype=np.int64)
+    kwargs = dict(max_new_tokens=16, max_denoising_steps=4, random=2)
+    got = gpu.generate(fast, prompt, denoiser=lambda c, cache, sc: fake_logits(c), **kwargs)
+    expected = reference_generate(ref, prompt, denoiser=lambda c, cache, sc: fake_logits(c), **kwargs)
+    np.testing.assert_array_equal(got.sequences, expected.sequences)
+    with pytest.raises(InputError, match="denoiser returned"):
+        gpu.generate(fast, prompt, denoiser=lambda *a: None, **kwargs)
 
     def nan_logits(c, rows):
         z = fake_logits(c)
@@ -312,5 +317,5 @@ def test_generate_rejects_custom_denoiser_and_reports_nan():
 
     with pytest.raises(SamplingError, match=r"\(0, 4\).*NaN"):
         gpu._generate(fast, np.ones((1, 3), dtype=np.int64), None, None, random=0, cache=None, decoder_input_ids=None,
-                      self_conditioning_logits=None, callback=None, progress=False, overrides={"max_new_tokens": 16},
+                      self_conditioning_logits=None, callback=None, overrides={"max_new_tokens": 16},
                       logits_hook=nan_logits)

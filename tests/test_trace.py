@@ -39,7 +39,7 @@ def model():
 def record(model, path, layers=True, logits="auto", seed=1, prompt=PROMPT, random=None, **changes):
     recorder = TraceRecorder(layers=layers, logits=logits, top_k=8)
     result = generate(model, prompt, generation_config=SETTINGS.replace(**changes),
-                      random=seed if random is None else random, trace=recorder, progress=False)
+                      random=seed if random is None else random, trace=recorder)
     recorder.save(path)
     return result, recorder
 
@@ -112,7 +112,7 @@ def test_recorded_values_are_the_models(model, baseline):
 
 def test_tracing_does_not_change_the_run(model, baseline):
     _, traced, _ = baseline
-    plain = generate(model, PROMPT, generation_config=SETTINGS, random=1, progress=False)
+    plain = generate(model, PROMPT, generation_config=SETTINGS, random=1)
     np.testing.assert_array_equal(plain.sequences, traced.sequences)
     np.testing.assert_array_equal(plain.tokens_per_forward, traced.tokens_per_forward)
 
@@ -177,8 +177,7 @@ def test_runs_of_different_length_show_the_missing_tensors(baseline, model, tmp_
         return model.denoise(canvas, cache, sc_logits)
 
     with pytest.raises(RuntimeError):
-        generate(model, PROMPT, generation_config=SETTINGS, random=draws, trace=recorder, denoiser=stop_after_two_steps,
-                 progress=False)
+        generate(model, PROMPT, generation_config=SETTINGS, random=draws, trace=recorder, denoiser=stop_after_two_steps)
     recorder.save(tmp_path / "partial.trace", error="RuntimeError: engine crashed")
     comparison = compare(baseline[0], tmp_path / "partial.trace")
     first = comparison.first_divergence

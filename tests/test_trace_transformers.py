@@ -70,7 +70,7 @@ def ours_replaying(model, hf_trace, path, mask=None, **recorder_options):
         ids = trace.get("prompt.input_ids")
         settings = GenerationConfig.from_dict(trace.header["generation"])
     recorder = TraceRecorder(layers=True, **recorder_options)
-    generate(model, ids, mask, generation_config=settings, random=draws, trace=recorder, progress=False)
+    generate(model, ids, mask, generation_config=settings, random=draws, trace=recorder)
     draws.check_exhausted()
     recorder.save(path)
     return path
@@ -172,7 +172,7 @@ def test_reference_and_fast_traces_compare_clean(tempered, tmp_path):
     ids = prompt(seed=2)
     reference = TraceRecorder(layers=True)
     log = StopLog()
-    generate(ours, ids, generation_config=SETTINGS, random=7, trace=reference, callback=log, progress=False)
+    generate(ours, ids, generation_config=SETTINGS, random=7, trace=reference, callback=log)
     assert any(f.any() and not f.all() for f in log.finished)  # frozen rows are part of the run
     reference.save(tmp_path / "ref.trace")
     fast_recorder = TraceRecorder(layers=True, tape=False, producer="diffusiongemma fast")

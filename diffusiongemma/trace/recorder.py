@@ -92,6 +92,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from diffusiongemma.reference.errors import InputError
+from diffusiongemma.reference.observer import Observer
 
 from .format import (DEFAULT_TOP_K, FORMAT_NAME, FORMAT_VERSION, FULL_LOGITS_MAX_VOCAB, TOPK_PARTS,
                      _LAYERS_AUTO_BYTES, _SUMMARY_CHUNK_ELEMENTS, TraceError, canvas_name, encode_name, step_name,
@@ -189,11 +190,11 @@ def _generation_dict(generation_config: Any) -> dict[str, Any]:
 
 
 # ================================================================================================ recording
-class TraceRecorder:
+class TraceRecorder(Observer):
     """Collects a run's tensors in run order; ``save`` writes them as a trace file.
 
-    layers: record every decoder layer's output per step (``decoder_layer`` is ignored otherwise; callers
-        check ``recorder.layers`` first so they skip the work). Off by default: (B, C, H) per layer per step.
+    layers: record every decoder layer's output per step (``decoder_layer`` is ignored otherwise; a backend
+        may check ``recorder.layers`` first to skip the work). Off by default: (B, C, H) per layer per step.
     logits: "full" (the whole (B, C, V) logits per step), "topk" (``summarize_logits``), or "auto" (full
         when V <= 8192).
     top_k: K of the "topk" mode.
@@ -210,7 +211,8 @@ class TraceRecorder:
             raise InputError(f"logits must be 'auto', 'full' or 'topk', got {logits!r}")
         if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
             raise InputError(f"top_k must be a positive integer, got {top_k!r}")
-        self.layers = bool(layers)  # callers test this before computing/copying layer outputs
+        self.layers = bool(layers)  # backends may test this before computing/copying layer outputs
+        self.records = True  # an observer that keeps what it is given (backends copy device arrays for it)
         self.logits_mode = logits  # resolved to "full"/"topk" by begin_run
         self.top_k = int(top_k)
         self.tape = bool(tape)  # keep the draw tape (record_draws wraps the source)
@@ -231,10 +233,10 @@ class TraceRecorder:
     def _expect(self, method: str, *states: str) -> None:
         if self._state == "new" and "new" not in states:
             raise TraceError(f"TraceRecorder.{method} called before begin_run (see the call order in "
-                             "reference/trace.py)")
+                             "diffusiongemma/trace/recorder.py)")
         if self._state not in states:
             raise TraceError(f"TraceRecorder.{method} called while the recorder is in state {self._state!r}; "
-                             f"it is valid only in {states} (see the call order in reference/trace.py)")
+                             f"it is valid only in {states} (see the call order in diffusiongemma/trace/recorder.py)")
 
     def _add(self, name: str, group: str, kind: str, array: Any, copy: bool = True) -> None:
         if name in self.tensors:
@@ -477,8 +479,8 @@ def record_generate(generate_fn: Callable, model: Any, input_ids: np.ndarray, re
     When ``generate_fn`` takes a ``trace`` argument it is simply passed. Otherwise the run is recorded from
     the outside: the encoder, the denoiser and the callback are wrapped, so a fast path runs its model through
     ``model.encode`` / ``model.denoise`` and its own sampler; the decoder's input embedding and layer outputs
-    are then recorded only if ``model.denoise`` takes a ``trace`` argument. ``kwargs`` are further
-    ``generate`` arguments (``progress``, setting overrides such as ``max_new_tokens``).
+    are then recorded only if ``model.denoise`` takes an ``observer`` argument. ``kwargs`` are further
+    ``generate`` arguments (setting overrides such as ``max_new_tokens``).
     Returns what ``generate_fn`` returns; ``recorder`` is finished (``end_run`` called) and ready to ``save``.
     """
     from diffusiongemma.reference.draws import as_draw_source
@@ -487,14 +489,13 @@ def record_generate(generate_fn: Callable, model: Any, input_ids: np.ndarray, re
     if "trace" in inspect.signature(generate_fn).parameters:
         return generate_fn(model, input_ids, attention_mask, generation_config, random=random, trace=recorder,
                            callback=callback, **kwargs)
-    progress = kwargs.pop("progress", False)
     config = resolve_config(model, generation_config, kwargs)
     draws = as_draw_source(random)
     recorder.begin_run(model.config, config, input_ids, attention_mask, draws=draws)
     draws = recorder.record_draws(draws)
     hooks = _OutsideHooks(model, recorder, callback)
     result = generate_fn(model, input_ids, attention_mask, config, random=draws, encoder=hooks.encode,
-                         denoiser=hooks.denoise, callback=hooks, progress=progress)
+                         denoiser=hooks.denoise, callback=hooks, **kwargs)
     recorder.end_run(result.sequences)
     return result
 
@@ -508,8 +509,8 @@ class _OutsideHooks:
         self.model, self.recorder, self.callback = model, recorder, callback
         self.new_canvas = False
         self.finished: np.ndarray | None = None
-        takes_trace = "trace" in inspect.signature(model.denoise).parameters
-        self._denoise = (lambda c, cache, sc: model.denoise(c, cache, sc, trace=recorder)) if takes_trace \
+        takes_observer = "observer" in inspect.signature(model.denoise).parameters
+        self._denoise = (lambda c, cache, sc: model.denoise(c, cache, sc, observer=recorder)) if takes_observer \
             else model.denoise
 
     def encode(self, ids, cache, mask):

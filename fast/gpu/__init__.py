@@ -15,6 +15,6 @@ CuPy is optional: importing this package never imports it.
 
 from .cache import GpuKVCache
 from .device import CupyDevice, gpu_available
-from .model import Model, generate
+from .model import Model, _generate, generate  # noqa: F401 (_generate: the tests' logits hook)
 
 __all__ = ["Model", "GpuKVCache", "CupyDevice", "generate", "gpu_available"]

@@ -5,8 +5,8 @@
         x steps -> commit the draft -> encode it -> next canvas
 
 Same interface as ``diffusiongemma.reference`` (``Model.from_pretrained(path, device="cuda")``,
-``new_cache``, ``encode``, ``denoise``, and ``generate`` with the reference's arguments and random-draw
-contract), same numbers up to float32 rounding: every weight is float32 on the device, matrix products go
+``new_cache``, ``encode``, ``denoise``; ``generate`` is the reference's one loop, which runs this model on
+its own denoising step, ``sampling.GpuBackend``), same numbers up to float32 rounding: every weight is float32 on the device, matrix products go
 through cuBLAS (``xp.matmul``, no TF32), and the rest runs in the kernels of ``fast/gpu/cuda`` (launch geometry
 and argument checks in ``fast/gpu/launch.py``):
 
@@ -18,17 +18,8 @@ and argument checks in ``fast/gpu/launch.py``):
 * one sampling pass per canvas row (max, log-sum-exp, entropy, argmax, the inverse-CDF draw from a
   uniform drawn on the host), then the entropy-bound acceptance and renoising.
 
-Randomness never comes from the device: ``generate`` asks the reference's draw source for every draw, in
-the reference's order (``reference/draws.py``): with ``SeededDraws`` it takes the uniforms of the
-categorical draw from the same Philox stream and copies them to the device, so a run reproduces the
-reference token for token whenever both compute the same probabilities to within the draw's resolution;
-any other source (``ReplayDraws``, a recording...) is given the probabilities on the host.
-
-Self-conditioning keeps exactly one (canvas x vocabulary) float32 buffer per sequence: the decoder writes
-its logits there, the sampling pass turns them into probabilities in place, and the next step's
-self-conditioning input reads those probabilities (softmax of the processed logits, SPEC §7.1) before the
-decoder overwrites the buffer with new logits. Rows that finished denoising are not recomputed, so their
-probabilities stay as they were (the reference's freezing, SPEC §8.2 h).
+Randomness never comes from the device, and self-conditioning keeps one (canvas x vocabulary) buffer per
+sequence: see ``sampling.py``.
 
 CuPy is optional: importing this module never imports it. ``Model.from_pretrained(..., device="cuda")``
 raises ``RuntimeError`` naming what is missing (CuPy, a driver, a GPU). The host orchestration is written
@@ -38,29 +29,36 @@ arrays and emulated kernels (tests/test_gpu_host.py).
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Mapping
 
 import numpy as np
 
-import importlib
-
 from diffusiongemma.reference.config import ModelConfig
-from diffusiongemma.reference.draws import as_draw_source
 from diffusiongemma.reference.errors import InputError
-from diffusiongemma.reference.primitives import rope_inverse_frequencies
-from diffusiongemma.reference.sampling import StableAndConfident, temperature
+from diffusiongemma.reference.generate import ReferenceBackend, generate
 from diffusiongemma.reference.model import check_attention_mask, check_token_ids
+from diffusiongemma.reference.observer import NULL_OBSERVER
+from diffusiongemma.reference.primitives import rope_inverse_frequencies, softcap
 from diffusiongemma.reference.weights import check_tensors, load_checkpoint
-
 
 from . import launch as gl
 from .cache import GpuKVCache
 from .device import CupyDevice, gpu_available
-from .sampling import _DeviceSampler, _StepOutputs, _flat_rows, _raise_for_flags
+from .sampling import GpuBackend, _StepOutputs, _flat_rows, raise_for_flags
 
-ref_generate = importlib.import_module("diffusiongemma.reference.generate")
+
+class _HostStep:
+    """A host-side step (a replaced denoiser) run inside the device's context."""
+
+    def __init__(self, step: Any, device: Any):
+        self._step, self._device = step, device
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._step, name)
+
+    def context(self) -> Any:
+        return self._device.context()
 
 __all__ = ["Model", "GpuKVCache", "CupyDevice", "generate", "gpu_available"]
 
@@ -117,6 +115,20 @@ class Model:
         dev = CupyDevice(device) if isinstance(device, str) else device
         config, tensors = load_checkpoint(path)
         return cls(config, tensors, device=dev)
+
+    def denoising_backend(self, draws: Any, batch_size: int, denoiser: Any = None, observer: Any = NULL_OBSERVER,
+                          logits_hook: Any = None) -> Any:
+        """The per-step compute the generation loop (``reference.generate.generate``) runs this model with:
+        ``GpuBackend`` (device buffer and kernels), or, for a replaced host ``denoiser``, the reference's step
+        inside the device context."""
+        if denoiser is not None:
+            return _HostStep(ReferenceBackend(denoiser, draws, self.config.vocab_size, observer), self.device)
+        return GpuBackend(self, draws, batch_size, observer=observer, logits_hook=logits_hook)
+
+    def softcapped_host_logits(self, buffer, rows: np.ndarray, cap: float) -> np.ndarray:
+        """Rows ``rows`` of a (B, C, V) device buffer of raw logits, soft-capped, on the host (observers)."""
+        host = self.device.to_host(buffer)[rows]
+        return softcap(host, cap) if cap else host
 
     def new_cache(self, batch_size: int) -> GpuKVCache:
         """An empty device cache for ``batch_size`` rows."""
@@ -221,7 +233,7 @@ class Model:
         outs = _StepOutputs(dev, R)
         dev.launch(gl.sample_rows(buffer.reshape(B * C, V), dev.to_device(flat), 0.0, 0.0, None, outs.argmax,
                                   outs.entropy, outs.sampled, outs.flags))
-        _raise_for_flags(dev.to_host(outs.flags), flat, C, what, InputError)
+        raise_for_flags(dev.to_host(outs.flags), flat, C, None, InputError, what)
 
     def _decoder_logits(self, canvas_dev, cache: GpuKVCache, rows: np.ndarray, buffer, has_sc: bool,
                         sc_mask: np.ndarray | None = None) -> None:
@@ -365,125 +377,10 @@ class _Attention:
 
 # ================================================================================================ sampling state
 
-def generate(model: Model, input_ids: Any, attention_mask: Any = None,
-             generation_config: ref_generate.GenerationConfig | None = None, *, random: Any = None,
-             denoiser: Any = None, encoder: Any = None, cache: GpuKVCache | None = None,
-             decoder_input_ids: Any = None, self_conditioning_logits: Any = None, callback: Any = None,
-             progress: bool = True, **overrides: Any) -> ref_generate.GenerationResult:
-    """Entropy-bound block diffusion on the GPU: ``reference.generate.generate`` with the same arguments,
-    lengths, EOS/pad rules, callbacks and draw order (SPEC §8), returning a ``GenerationResult`` whose
-    ``cache`` is a ``GpuKVCache``.
 
-    Differences: ``denoiser`` / ``encoder`` replacements are not supported (they exchange host arrays every
-    step; use the reference loop for them) and raise ``InputError``; for a row that had already finished
-    denoising, ``StepInfo.sampled`` reports its frozen canvas (its categorical draw is not computed; the
-    draw is still consumed from the source, so later draws are unchanged).
-    Raises what the reference raises (``InputError``, ``ConfigError``, ``SamplingError``, ``ReplayError``).
-    """
-    if denoiser is not None or encoder is not None:
-        raise InputError("the GPU generate runs its own model: denoiser/encoder replacements are not supported "
-                         "(use diffusiongemma.reference.generate.generate for them)")
-    return _generate(model, input_ids, attention_mask, generation_config, random=random, cache=cache,
-                     decoder_input_ids=decoder_input_ids, self_conditioning_logits=self_conditioning_logits,
-                     callback=callback, progress=progress, overrides=overrides)
-
-
-def _generate(model: Model, input_ids: Any, attention_mask: Any, generation_config, *, random: Any, cache: Any,
-              decoder_input_ids: Any, self_conditioning_logits: Any, callback: Any, progress: bool,
-              overrides: Mapping[str, Any], logits_hook: Any = None) -> ref_generate.GenerationResult:
-    """The loop. ``logits_hook(canvas (B, C) int64, rows)`` -> soft-capped host logits (B, C, V) replaces
-    the decoder (tests only: it feeds the same logits to this loop and to the reference's)."""
-    R = ref_generate
-    config = R.resolve_config(model, generation_config, overrides)
-    V, C = int(model.config.vocab_size), int(model.config.canvas_length)
-    R.check_special_ids(config, V)
-    ids, mask = R.check_prompt(input_ids, attention_mask, V)
-    B, P = ids.shape
-    start_canvas = R.check_start_canvas(decoder_input_ids, B, C, V)
-    start_sc = R.check_start_sc_logits(self_conditioning_logits, B, C, V)
-    draws = as_draw_source(random)
-    dev = model.device
-    with dev.context():
-        if cache is None:
-            cache = model.new_cache(B)
-        elif not isinstance(cache, GpuKVCache) or cache.batch_size != B:
-            raise InputError(f"cache must be a GpuKVCache for batch size {B}, got {type(cache).__name__}")
-        context_length = P + int(cache.length)
-        n_canvases = math.ceil(R.new_token_budget(config, context_length) / C)
-        stopper = (StableAndConfident(config.stability_threshold, config.confidence_threshold)
-                   if config.uses_adaptive_stopping else None)
-        state = _DeviceSampler(model, B, C, V, draws, logits_hook)
-
-        sequences = ids.copy()
-        ended = np.zeros(B, dtype=bool)
-        forward_passes = np.zeros(B, dtype=np.int64)
-        steps_per_canvas: list[int] = []
-        new_ids, new_mask = ids, mask
-        R.notify(callback, "on_prompt", R.readonly(ids))
-
-        from tqdm import tqdm
-
-        canvas_bar = tqdm(total=n_canvases, desc="canvases", unit="canvas", disable=not progress, leave=False)
-        step_bar = tqdm(total=config.max_denoising_steps, desc="denoising", unit="step", disable=not progress,
-                        leave=False)
-        try:
-            for k in range(n_canvases):
-                model._encode(new_ids, cache, new_mask, return_hidden=False)
-                initial = draws.canvas_ids(B, C, V)  # always drawn (trap T14)
-                canvas = start_canvas if (k == 0 and start_canvas is not None) else initial
-                step_bar.reset(total=config.max_denoising_steps)
-                draft, steps = _denoise_canvas(k, canvas, start_sc if k == 0 else None, cache, state, stopper, config,
-                                               ended, forward_passes, callback, step_bar)
-                steps_per_canvas.append(steps)
-                sequences, tokens, ended = R.commit_canvas(k, draft, steps, sequences, ended, config, callback)
-                canvas_bar.update(1)
-                if ended.all():
-                    break
-                new_ids = tokens
-                new_mask = None if mask is None else np.ones((B, C), dtype=np.int64)
-        finally:
-            step_bar.close()
-            canvas_bar.close()
-    return R.finish_run(sequences, P, forward_passes, steps_per_canvas, cache, config, callback)
-
-
-
-
-def _denoise_canvas(k: int, canvas: np.ndarray, sc_logits: np.ndarray | None, cache: GpuKVCache,
-                    state: _DeviceSampler, stopper: StableAndConfident | None, config: Any, ended: np.ndarray,
-                    forward_passes: np.ndarray, callback: Any, step_bar: Any) -> tuple[np.ndarray, int]:
-    """The denoising steps of canvas ``k`` (SPEC §8.2 step 3; letters as in reference.generate). Rows that
-    finished denoising are not recomputed: their draft, canvas, entropies and buffer row stay frozen."""
-    R = ref_generate
-    B, C = canvas.shape
-    N = config.max_denoising_steps
-    state._cache = cache
-    state.start_canvas(sc_logits)
-    draft = canvas
-    entropies = np.zeros((B, C), dtype=np.float32)
-    finished = np.zeros(B, dtype=bool)
-    if stopper is not None:
-        stopper.reset()
-    step_index = 0
-    for step_index, step in enumerate(range(N, 0, -1)):
-        forward_passes += ~(finished | ended)  # (a)
-        live = np.flatnonzero(~finished)
-        temp = temperature(step, N, config.t_min, config.t_max) if config.uses_temperature else None
-        out = state.step(canvas, live, temp, config.entropy_bound)  # (b)-(g) for the live rows
-        new_draft, next_canvas, step_entropies = draft.copy(), canvas.copy(), entropies.copy()  # (h) frozen rows
-        sampled, accepted = canvas.copy(), np.zeros((B, C), dtype=bool)
-        new_draft[live], next_canvas[live], step_entropies[live] = out["draft"], out["canvas"], out["entropies"]
-        sampled[live], accepted[live] = out["sampled"], out["accepted"]
-        if stopper is not None:
-            finished = finished | stopper(new_draft, step_entropies)  # (i)
-        canvas, draft, entropies = next_canvas, new_draft, step_entropies  # (j)
-        step_bar.update(1)
-        R.notify(callback, "on_step", R.StepInfo(
-            canvas_index=k, step=step, step_index=step_index,
-            temperature=None if temp is None else float(temp), draft=R.readonly(draft),
-            sampled=R.readonly(sampled), accepted=R.readonly(accepted), canvas=R.readonly(canvas),
-            entropies=R.readonly(entropies), finished=R.readonly(finished.copy())))
-        if finished.all():  # (k)
-            break
-    return draft, step_index + 1
-
+def _generate(model: Model, input_ids: Any, attention_mask: Any = None, generation_config: Any = None, *,
+              logits_hook: Any = None, overrides: Mapping[str, Any] | None = None, **kwargs: Any):
+    """The one loop on this model with ``GpuBackend``'s ``logits_hook`` (tests only: the same host logits
+    fed to the GPU step and to the reference's). ``overrides``: generation settings, as a mapping."""
+    return generate(model, input_ids, attention_mask, generation_config,
+                    backend_options={"logits_hook": logits_hook}, **kwargs, **dict(overrides or {}))

@@ -1,4 +1,20 @@
-"""One denoising step on the device: the sampling pass and the acceptance kernel."""
+"""One denoising step on the device: the decoder pass, the sampling kernel and the acceptance kernel.
+
+``GpuBackend`` implements ``reference.generate.DenoisingBackend`` for ``fast.gpu.Model``, so that the one
+generation loop (``reference.generate.generate``) runs on the GPU with the reference's arguments, lengths,
+EOS/pad rules, callbacks and draw order (SPEC §8).
+
+Self-conditioning keeps exactly one (canvas x vocabulary) float32 buffer per sequence: the decoder writes
+its logits there, the sampling pass turns them into probabilities in place, and the next step's
+self-conditioning input reads those probabilities (softmax of the processed logits, SPEC §7.1) before the
+decoder overwrites the buffer with new logits. Rows that finished denoising are not recomputed, so their
+probabilities stay as they were (the reference's freezing, SPEC §8.2 h).
+
+Randomness never comes from the device: with ``SeededDraws`` the uniforms of the categorical draw come from
+the same Philox call the reference makes and are copied to the device; any other source is given the
+probabilities on the host. A replaced ``denoiser`` runs on the host, so a run with one uses the reference's
+step (``ReferenceBackend``) inside the device context.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +22,16 @@ from typing import Any
 
 import numpy as np
 
-
 from diffusiongemma.reference.draws import SeededDraws
+from diffusiongemma.reference.generate import StepOutput
+from diffusiongemma.reference.observer import NULL_OBSERVER, Observer
 from diffusiongemma.reference.errors import SamplingError
-
+from diffusiongemma.reference.sampling import (FLAG_NAN, FLAG_NO_FINITE, FLAG_POSINF, FLAG_RAW_NO_FINITE,
+                                               FLAG_RAW_POSINF, raise_for_logit_flags)
 
 from . import launch as gl
+
+__all__ = ["GpuBackend"]
 
 
 def _flat_rows(batch_rows: np.ndarray, C: int) -> np.ndarray:
@@ -29,34 +49,48 @@ class _StepOutputs:
         self.flags = dev.empty((R,), np.int32)
 
 
-def _raise_for_flags(flags: np.ndarray, flat_rows: np.ndarray, C: int, what: str, error=SamplingError) -> None:
-    """Raise naming the first (row, position) whose logits hold NaN / +inf / no finite value."""
-    bad = np.flatnonzero(flags)
-    if bad.size == 0:
-        return
-    i = int(bad[0])
-    row, pos = divmod(int(flat_rows[i]), C)
-    f = int(flags[i])
-    reason = "NaN" if f & 1 else "+inf" if f & 2 else "no finite value (all -inf)"
-    raise error(f"{what} at (row, position) {(row, pos)} hold {reason}; cannot sample a token")
+def raise_for_flags(flags: np.ndarray, flat_rows: np.ndarray, C: int, temp: np.float32 | None,
+                    error: type = SamplingError, what: str = "denoiser logits") -> None:
+    """Raise the reference's error for the first (row, position) the device's sampling kernel flagged.
+
+    The device kernel sets bits 1/2/4 (NaN, +inf, all -inf) on the soft-capped, temperature-scaled values;
+    without a temperature those are the raw logits, so +inf and all -inf become the raw-stage bits. (With a
+    temperature, +inf before and after the division are not told apart; with a soft-cap the raw logits are
+    never +inf.)"""
+    flags = np.asarray(flags).astype(np.int64)
+    if temp is None:
+        flags = (flags & FLAG_NAN) | np.where(flags & FLAG_POSINF, FLAG_RAW_POSINF, 0) \
+            | np.where(flags & FLAG_NO_FINITE, FLAG_RAW_NO_FINITE, 0)
+    raise_for_logit_flags(flat_rows, flags, C, temp, error, what)
 
 
-# ================================================================================================ generation
+class GpuBackend:
+    """One denoising step on the device for the rows still denoising; owns the (B, C, V) buffer.
 
-class _DeviceSampler:
-    """One denoising step on the device for the rows still denoising; owns the (B, C, V) buffer."""
+    model: a ``fast.gpu.Model``. draws: the run's draw source. batch_size: B. observer: receives each step's
+    logits (copied to the host only for an observer that records). logits_hook: tests only; ``hook(canvas
+    (B, C) int64, rows)`` -> soft-capped host logits (B, C, V) replaces the decoder, so that the same logits
+    can be fed to this backend and to the reference's.
+    """
 
-    def __init__(self, model: Any, B: int, C: int, V: int, draws: Any, logits_hook: Any):
+    def __init__(self, model: Any, draws: Any, batch_size: int, observer: Observer = NULL_OBSERVER,
+                 logits_hook: Any = None):
         self.model, self.dev = model, model.device
-        self.B, self.C, self.V = B, C, V
-        self.draws = draws
-        self.logits_hook = logits_hook
-        self.buffer = self.dev.empty((B, C, V), np.float32)  # the one (C x V) float32 buffer per sequence
+        self.B, self.C, self.V = int(batch_size), int(model.config.canvas_length), int(model.config.vocab_size)
+        self.draws, self.observer, self.logits_hook = draws, observer, logits_hook
+        with self.dev.context():
+            self.buffer = self.dev.empty((self.B, self.C, self.V), np.float32)  # the one (C x V) buffer per row
         self.has_sc = False  # buffer holds self-conditioning probabilities for every row
+        self.cache: Any = None
+        self.draft = np.zeros((self.B, self.C), dtype=np.int64)
+        self.entropies = np.zeros((self.B, self.C), dtype=np.float32)
 
-    def start_canvas(self, sc_logits: np.ndarray | None) -> None:
+    def context(self) -> Any:
+        return self.dev.context()
+
+    def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None) -> None:
         """Start a canvas: no self-conditioning, or the caller's logits (first canvas only)."""
-        self.has_sc = False
+        self.cache, self.has_sc = cache, False
         if sc_logits is not None:
             self.buffer[...] = self.dev.to_device(sc_logits)
             self.model._softmax_in_place(self.buffer, np.arange(self.B), "self_conditioning_logits")
@@ -68,43 +102,51 @@ class _DeviceSampler:
             return self.draws.generator.random(size=(self.B, self.C), dtype=np.float64)
         return None
 
-    def step(self, canvas: np.ndarray, live: np.ndarray, temp: np.float32 | None, bound: float) -> dict:
-        """Decoder pass, sampling pass and acceptance for the batch rows ``live``; returns host arrays
-        (len(live), C): draft, entropies, sampled, accepted, next canvas."""
+    def step(self, canvas: np.ndarray, finished: np.ndarray, temp: np.float32 | None) -> StepOutput:
+        """Decoder pass and sampling pass for the rows not finished (SPEC §8.2 b-e)."""
         dev, B, C, V = self.dev, self.B, self.C, self.V
-        model = self.model
-        cap = model.config.final_logit_softcapping
+        live = np.flatnonzero(~finished)
+        cap = self.model.config.final_logit_softcapping
         if self.logits_hook is not None:
             logits = np.asarray(self.logits_hook(canvas, live), dtype=np.float32)
             self.buffer[dev.to_device(live)] = dev.to_device(logits[live])
             cap = 0.0
         else:
-            model._decoder_logits(dev.to_device(canvas[live]), self._cache, live, self.buffer, self.has_sc)
+            self.model._decoder_logits(dev.to_device(canvas[live]), self.cache, live, self.buffer, self.has_sc)
+        if self.observer.records:
+            self.observer.logits(self.model.softcapped_host_logits(self.buffer, live, cap), rows=live)
         flat = _flat_rows(live, C)
-        n = flat.shape[0]
-        out = _StepOutputs(dev, n)
+        out = _StepOutputs(dev, flat.shape[0])
         uniforms = self._uniforms()
-        temp_value = 0.0 if temp is None else float(temp)
-        what = "denoiser logits" if temp is None else f"logits divided by temperature {float(temp)!r}"
-        dev.launch(gl.sample_rows(self.buffer.reshape(B * C, V), dev.to_device(flat), cap, temp_value,
+        dev.launch(gl.sample_rows(self.buffer.reshape(B * C, V), dev.to_device(flat), cap,
+                                  0.0 if temp is None else float(temp),
                                   None if uniforms is None else dev.to_device(uniforms[live].reshape(-1)),
                                   out.argmax, out.entropy, out.sampled, out.flags))
-        _raise_for_flags(dev.to_host(out.flags), flat, C, what)
+        raise_for_flags(dev.to_host(out.flags), flat, C, temp)
+        sampled = canvas.copy()  # rows not decoded report their canvas
         if uniforms is None:  # any other draw source decides on the host, from the probabilities
             probs = dev.to_host(self.buffer)
             frozen = np.setdiff1d(np.arange(B), live)
             probs[frozen] = np.float32(1.0 / V)  # not recomputed; their draws are consumed and discarded
-            sampled = self.draws.categorical(probs)
-            out.sampled = dev.to_device(np.ascontiguousarray(sampled[live].reshape(-1)))
-        noise = self.draws.renoise_ids(B, C, V)
-        accepted = dev.empty((live.shape[0], C), np.uint8)
-        next_canvas = dev.empty((live.shape[0], C), np.int64)
-        entropy = out.entropy.reshape(live.shape[0], C)
-        sampled_dev = out.sampled.reshape(live.shape[0], C)
-        dev.launch(gl.accept_renoise(entropy, sampled_dev, dev.to_device(noise[live]), bound, accepted, next_canvas))
+            sampled[live] = np.asarray(self.draws.categorical(probs))[live]
+        else:
+            sampled[live] = dev.to_host(out.sampled).reshape(live.shape[0], C)
         self.has_sc = True
-        shape = (live.shape[0], C)
-        return {"draft": dev.to_host(out.argmax).reshape(shape), "entropies": dev.to_host(entropy),
-                "sampled": dev.to_host(sampled_dev), "accepted": dev.to_host(accepted).astype(bool),
-                "canvas": dev.to_host(next_canvas)}
+        draft, entropies = self.draft.copy(), self.entropies.copy()
+        draft[live] = dev.to_host(out.argmax).reshape(live.shape[0], C)
+        entropies[live] = dev.to_host(out.entropy).reshape(live.shape[0], C)
+        self.draft, self.entropies = draft, entropies
+        return StepOutput(draft, sampled, entropies)
 
+    def accept_and_renoise(self, entropies: np.ndarray, sampled: np.ndarray, noise: np.ndarray,
+                           bound: float) -> tuple[np.ndarray, np.ndarray]:
+        """The entropy-bound acceptance and renoising kernel (SPEC §8.2 f, g) on all B rows."""
+        dev = self.dev
+        shape = entropies.shape
+        accepted = dev.empty(shape, np.uint8)
+        next_canvas = dev.empty(shape, np.int64)
+        dev.launch(gl.accept_renoise(dev.to_device(np.ascontiguousarray(entropies, dtype=np.float32)),
+                                     dev.to_device(np.ascontiguousarray(sampled, dtype=np.int64)),
+                                     dev.to_device(np.ascontiguousarray(noise, dtype=np.int64)), bound,
+                                     accepted, next_canvas))
+        return dev.to_host(accepted).astype(bool), dev.to_host(next_canvas)
