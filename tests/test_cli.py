@@ -46,7 +46,7 @@ def test_generate_json_end_to_end(capsys):
     ids = side.encode("And God said")
     assert out["prompt_token_ids"] == ids
     settings = GenerationConfig.from_pretrained(path).replace(max_new_tokens=40, max_denoising_steps=6)
-    result = generate(model, np.array([ids]), generation_config=settings, random=3, progress=False)
+    result = generate(model, np.array([ids]), generation_config=settings, random=3)
     assert out["token_ids"] == [int(t) for t in result.sequences[0, len(ids):]]
     assert out["text"] == side.decode(out["token_ids"])
 

@@ -37,3 +37,28 @@ def token_ids(text: str) -> list[int]:
     if not ids or min(ids) < 0:
         raise argparse.ArgumentTypeError(f"expected one or more non-negative token ids, got {text!r}")
     return ids
+
+
+SEED_LIMIT = 2**64  # seeds are kept below 2**64 so that they print and parse as plain integers
+
+
+def seed(text: str) -> int:
+    """A draw-source seed: an integer in [0, 2**64)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**64), got {text!r}") from None
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**64), got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (NaN and infinities are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value

@@ -1,60 +1,148 @@
-"""A terminal view of the canvas being denoised, updated in place after every denoising step.
+"""A terminal view of the canvas being denoised, redrawn in place, paced for a person to watch.
 
-Committed text is printed normally; the current canvas's draft follows it, accepted positions in bold,
-still-noisy positions dimmed (in the spirit of ``llama-diffusion-cli --diffusion-visual``). Only the first
-row of a batch is shown. The view redraws its own lines with ANSI cursor movement, so it is used only
-when the output stream is a terminal.
+Every frame shows a header line and the text::
+
+    canvas 2/8 · step 5/16 · accepted 9/32 · T=0.675
+    And God said, Let there be light: and there was light. And God saw the ...
+
+Committed text is printed normally; the current canvas's draft follows it: positions accepted at this step
+in bold, the others dimmed (in the spirit of ``llama-diffusion-cli --diffusion-visual``). Special tokens are
+drawn as marks, not as their literal names: EOS ``¶``, pad ``·``, any other special token ``¤``. Only row 0
+of a batch is shown.
+
+Pacing: a frame stays on screen for at least ``frame_time`` seconds. Steps that arrive sooner are dropped
+(not queued), so a fast run shows fewer frames and is never slowed down; a committed canvas is always
+drawn. With ``wait=True`` no step is dropped: the view sleeps out the rest of the frame time instead, so a
+person sees every step (the run takes at least steps x frame_time). ``close`` erases the view, or, after Ctrl-C
+(``close(interrupted=True)``), leaves the text committed so far; either way it resets the terminal's
+attributes and shows the cursor again.
+
+The view moves the cursor with ANSI codes, so it is used only on a terminal (``stream.isatty()``), or when
+the user asks for it (``--view live``).
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
+import time
+from typing import Callable, Iterable
 
-_BOLD, _DIM, _RESET = "\x1b[1m", "\x1b[2m", "\x1b[0m"
-_UP, _CLEAR_BELOW = "\x1b[{}A", "\x1b[J"
+BOLD, DIM, RESET = "\x1b[1m", "\x1b[2m", "\x1b[0m"
+HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
+UP, CLEAR_BELOW = "\x1b[{}A", "\x1b[J"
+EOS_MARK, PAD_MARK, SPECIAL_MARK = "¶", "·", "¤"  # how special tokens are drawn in a draft
+DEFAULT_FRAME_TIME = 0.08  # seconds a frame stays on screen at least (about 12 frames per second)
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 class LiveCanvasView:
-    """A generation callback (``on_step`` / ``on_canvas``) drawing row 0 in place on ``stream``."""
+    """A generation callback (``on_step`` / ``on_canvas`` / ``on_end``) drawing row 0 in place on ``stream``.
 
-    def __init__(self, text_side, prompt_text: str, stream=None):
+    text_side: ``checkpoint.TextSide`` (decodes ids). prompt_text: what the committed text starts with.
+    planned_canvases: n of the header (the token budget in canvases); max_steps: N. eos_ids / pad_id: the
+    run's special ids (drawn as marks, besides every token the tokenizer calls special). frame_time: seconds
+    per frame at least (0: draw every step). wait: sleep instead of dropping frames. clock, sleep: a monotonic
+    clock and its sleep (tests pass fake ones).
+    """
+
+    def __init__(self, text_side, prompt_text: str, stream=None, *, planned_canvases: int = 0, max_steps: int = 0,
+                 eos_ids: Iterable[int] = (), pad_id: int | None = None, frame_time: float = DEFAULT_FRAME_TIME,
+                 wait: bool = False, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
         self.text = text_side
         self.stream = stream or sys.stdout
         self.committed = prompt_text
+        self.planned_canvases = planned_canvases
+        self.max_steps = max_steps
+        self.frame_time = frame_time
+        self.wait = wait
+        self.clock = clock
+        self.sleep = sleep
+        self.frames = 0  # frames drawn
+        self.dropped = 0  # steps not drawn because they came within frame_time of the previous frame
+        self._marks = self._special_marks(set(int(i) for i in eos_ids), pad_id)
+        self._pieces: dict[int, str] = {}  # token id -> decoded text (memo)
         self._lines_drawn = 0
+        self._last_draw: float | None = None
 
-    def _draw(self, body: str, status: str) -> None:
-        width = max(shutil.get_terminal_size((80, 24)).columns, 20)
-        visible = body.replace("\x1b[1m", "").replace("\x1b[2m", "").replace("\x1b[0m", "")
-        lines = sum(max(1, -(-len(part) // width)) for part in (visible + "\n" + status).split("\n"))
-        out = []
-        if self._lines_drawn:
-            out.append("\r" + _UP.format(self._lines_drawn - 1) if self._lines_drawn > 1 else "\r")
-            out.append(_CLEAR_BELOW)
-        out.append(body + "\n" + status)
-        self.stream.write("".join(out))
-        self.stream.flush()
-        self._lines_drawn = lines
-
+    # ------------------------------------------------------------------------------------------ callback
     def on_step(self, info) -> None:
-        pieces = []
-        for token, accepted in zip(info.draft[0], info.accepted[0]):
-            word = self.text.decode([token], skip_special_tokens=False)
-            pieces.append(f"{_BOLD}{word}{_RESET}" if accepted else f"{_DIM}{word}{_RESET}")
-        status = (f"{_DIM}canvas {info.canvas_index + 1} step {info.step_index + 1} "
-                  f"T={info.temperature if info.temperature is not None else float('nan'):.3f} "
-                  f"accepted {int(info.accepted[0].sum())}/{info.accepted.shape[1]}{_RESET}")
-        self._draw(self.committed + "".join(pieces), status)
+        draft, accepted = info.draft[0], info.accepted[0]
+        body = self.committed + "".join(
+            (BOLD if ok else DIM) + self.piece(int(token)) + RESET for token, ok in zip(draft, accepted))
+        n = self.planned_canvases or getattr(info, "n_canvases", 0) or "?"
+        N = self.max_steps or getattr(info, "max_steps", 0) or "?"
+        temp = "none" if info.temperature is None else f"{info.temperature:.3f}"
+        header = (f"canvas {info.canvas_index + 1}/{n} · step {info.step_index + 1}/{N} · "
+                  f"accepted {int(accepted.sum())}/{accepted.shape[0]} · T={temp}")
+        now = self.clock()
+        if self._last_draw is not None and now - self._last_draw < self.frame_time:
+            if not self.wait:
+                self.dropped += 1
+                return
+            self.sleep(self.frame_time - (now - self._last_draw))
+            now = self.clock()
+        self._draw(header, body, now)
 
     def on_canvas(self, info) -> None:
         self.committed += self.text.decode(info.tokens[0])
-        self._draw(self.committed, f"{_DIM}canvas {info.canvas_index + 1} committed after {info.steps} steps{_RESET}")
+        n = self.planned_canvases or getattr(info, "n_canvases", 0) or "?"
+        self._draw(f"canvas {info.canvas_index + 1}/{n} committed after {info.steps} steps", self.committed,
+                   self.clock())
 
-    def close(self) -> None:
-        """Erase the view (the caller prints the final text)."""
-        if self._lines_drawn:
-            self.stream.write(("\r" + _UP.format(self._lines_drawn - 1) if self._lines_drawn > 1 else "\r")
-                              + _CLEAR_BELOW)
+    def on_end(self, result) -> None:
+        """Nothing to draw: the caller prints the final text after ``close``."""
+
+    # ------------------------------------------------------------------------------------------ drawing
+    def piece(self, token: int) -> str:
+        """How one draft token is drawn: its text, or a mark for a special token."""
+        if token not in self._pieces:
+            mark = self._marks.get(token)
+            if mark is None and self._is_special(token):
+                mark = SPECIAL_MARK
+            self._pieces[token] = mark if mark is not None else self.text.decode([token], skip_special_tokens=False)
+        return self._pieces[token]
+
+    def _special_marks(self, eos_ids: set[int], pad_id: int | None) -> dict[int, str]:
+        marks = {token: EOS_MARK for token in eos_ids}
+        if pad_id is not None:
+            marks.setdefault(pad_id, PAD_MARK)
+        return marks
+
+    def _is_special(self, token: int) -> bool:
+        decoder = getattr(getattr(self.text, "tokenizer", None), "get_added_tokens_decoder", None)
+        if decoder is None:
+            return False
+        if not hasattr(self, "_special_ids"):
+            self._special_ids = {int(i) for i, added in decoder().items() if getattr(added, "special", False)}
+        return token in self._special_ids
+
+    def _draw(self, header: str, body: str, now: float) -> None:
+        width = max(shutil.get_terminal_size((80, 24)).columns, 20)
+        out = [self._erase_codes(), HIDE_CURSOR if self.frames == 0 else ""]
+        out.append(f"{DIM}{header}{RESET}\n{body}")
+        self.stream.write("".join(out))
+        self.stream.flush()
+        visible = _ANSI.sub("", header + "\n" + body)
+        self._lines_drawn = sum(max(1, -(-len(line) // width)) for line in visible.split("\n"))
+        self._last_draw = now
+        self.frames += 1
+
+    def _erase_codes(self) -> str:
+        if not self._lines_drawn:
+            return ""
+        return ("\r" + UP.format(self._lines_drawn - 1) if self._lines_drawn > 1 else "\r") + CLEAR_BELOW
+
+    def close(self, interrupted: bool = False) -> None:
+        """Erase the view (the caller prints the final text) or, when ``interrupted``, replace it with the
+        text committed so far; always reset the attributes and show the cursor."""
+        out = [self._erase_codes(), RESET]
+        if interrupted and self.frames:
+            out.append(self.committed + "\n")
+        out.append(SHOW_CURSOR)
+        if self.frames or interrupted:
+            self.stream.write("".join(out))
             self.stream.flush()
-            self._lines_drawn = 0
+        self._lines_drawn = 0

@@ -16,29 +16,32 @@ import argparse
 import os
 import sys
 
+from .argtypes import non_negative_float, positive_int, seed, token_ids
+
 COMMANDS = ("trace", "compare")
-from .argtypes import non_negative_float, positive_int, token_ids
 
 TRACE_BACKENDS = ("reference", "cpu")  # the GPU path is not traced yet (its arrays live on the device)
 
 
-def add_commands(commands) -> None:
+def register(commands, formatter=argparse.HelpFormatter) -> None:
     """Register ``trace`` and ``compare`` on the ``diffusiongemma`` subparsers."""
     from diffusiongemma.trace import DEFAULT_ATOL, DEFAULT_RTOL, DEFAULT_TOP_K
 
-    trace = commands.add_parser("trace", help="record a golden trace of one generation run",
+    trace = commands.add_parser("trace", help="record a golden trace of one generation run", formatter_class=formatter,
                                 description="Record every intermediate of one generation run (encoder K/V, "
                                             "per-step decoder input, layer outputs, logits, sampler state, "
                                             "committed canvases, random draws) into a trace file.")
-    trace.add_argument("--model", default=None, help="checkpoint directory (default: the shipped tiny-kjv model)")
+    trace.add_argument("-m", "--model", default=None, help="checkpoint directory (default: the shipped tiny-kjv model)")
     source = trace.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (tokenized with the checkpoint's tokenizer, as `generate` does)")
     source.add_argument("--prompt-ids", type=token_ids, help="prompt token ids, e.g. 2,818,7")
     source.add_argument("--replay", metavar="TRACE",
                         help="rerun another trace's run: its prompt ids, generation settings and random draws")
-    trace.add_argument("-o", "--output", required=True, help="trace file to write (safetensors)")
-    trace.add_argument("--seed", type=int, default=None, help="seed of the draw source (Philox; default 0)")
-    trace.add_argument("--max-new-tokens", type=positive_int, default=None,
+    trace.add_argument("-o", "--output", required=True,
+                       help="trace file to write (safetensors); checked for writability before the run")
+    trace.add_argument("--seed", type=seed, default=None,
+                       help="seed of the draw source (Philox; default 0, so that a trace is reproducible as is)")
+    trace.add_argument("-n", "--max-new-tokens", type=positive_int, default=None,
                        help="tokens to generate (default: the checkpoint's generation_config.json)")
     trace.add_argument("--steps", type=positive_int, default=None, help="max denoising steps per canvas")
     trace.add_argument("--layers", action=argparse.BooleanOptionalAction, default=None,
@@ -50,28 +53,23 @@ def add_commands(commands) -> None:
     trace.add_argument("--top-k", type=positive_int, default=DEFAULT_TOP_K, help="K of --logits topk")
     trace.add_argument("--backend", choices=TRACE_BACKENDS, default="reference",
                        help="reference (NumPy) or the compiled fast path (recorded around its generate)")
-    trace.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    trace.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="progress bars on stderr (default: when stderr is a terminal)")
+    trace.set_defaults(handler=run_trace)
 
     compare = commands.add_parser("compare", help="find the first tensor at which two traces differ",
+                                  formatter_class=formatter,
                                   description="Compare two traces tensor by tensor in run order. Exit status: 0 "
                                               "all agree, 1 a tolerance is exceeded, 2 the files cannot be compared.")
     compare.add_argument("a", help="first trace (the reference side: rtol scales with its values)")
     compare.add_argument("b", help="second trace")
     compare.add_argument("--atol", type=non_negative_float, default=DEFAULT_ATOL,
-                         help=f"absolute tolerance on float tensors (default {DEFAULT_ATOL:g}: float32 noise of two "
-                              "implementations is ~1e-5..1e-4, semantic errors are ~1e-1)")
+                         help="absolute tolerance on float tensors (float32 noise of two implementations is "
+                              "~1e-5..1e-4, semantic errors are ~1e-1)")
     compare.add_argument("--rtol", type=non_negative_float, default=DEFAULT_RTOL,
-                         help=f"relative tolerance, times |a| (default {DEFAULT_RTOL:g})")
+                         help="relative tolerance, times |a|")
     compare.add_argument("--summary", action="store_true", help="print only the result, not the per-tensor table")
-
-
-def run_command(args) -> int:
-    """Run ``trace`` or ``compare``; errors are printed and give exit status 2."""
-    try:
-        return run_trace(args) if args.command == "trace" else run_compare(args)
-    except (ValueError, OSError, RuntimeError) as exc:  # TraceError, ConfigError, CheckpointError are ValueErrors
-        print(f"diffusiongemma {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    compare.set_defaults(handler=run_compare)
 
 
 def run_compare(args) -> int:
@@ -87,8 +85,12 @@ def run_trace(args) -> int:
     from diffusiongemma.reference.draws import ReplayDraws
     from diffusiongemma.trace import TraceRecorder, layers_by_default, record_generate
 
-    from .checkpoint import default_model_dir, generate_function, load_model
+    from diffusiongemma.checkpoint import default_model_dir, generate_function, load_model
 
+    from .checks import check_writable
+    from .progress import ProgressBars, without_library_progress
+
+    check_writable(args.output, "-o/--output")  # before the run, not after it
     path = args.model or default_model_dir()
     model = load_model(path, args.backend)
     if args.replay is not None:
@@ -100,15 +102,22 @@ def run_trace(args) -> int:
     layers = layers_by_default(model.config, ids.shape[0]) if args.layers is None else args.layers
     recorder = TraceRecorder(layers=layers, logits=args.logits, top_k=args.top_k,
                              producer=f"diffusiongemma {args.backend}")
+    generate = generate_function(args.backend)
+    show_bars = args.progress if args.progress is not None else sys.stderr.isatty()
+    C = int(model.config.canvas_length)
+    bars = ProgressBars(-(-settings.max_new_tokens // C), settings.max_denoising_steps) if show_bars else None
     try:
-        result = record_generate(generate_function(args.backend), model, ids, recorder, attention_mask=mask,
-                                 generation_config=settings, random=random, progress=not args.no_progress)
+        result = record_generate(generate, model, ids, recorder, attention_mask=mask, generation_config=settings,
+                                 random=random, callback=bars, **without_library_progress(generate))
     except (ValueError, ArithmeticError, RuntimeError) as exc:
         if recorder.entries:
             recorder.save(args.output, error=f"{type(exc).__name__}: {exc}")
             print(f"diffusiongemma trace: the run failed; the part recorded so far is in {args.output}",
                   file=sys.stderr)
         raise
+    finally:
+        if bars is not None:
+            bars.close()
     recorder.save(args.output)
     if isinstance(random, ReplayDraws) and random.remaining:
         print(f"diffusiongemma trace: warning: {random.remaining} replayed draws were not used; this run took a "
@@ -125,7 +134,7 @@ def _prompt_ids(args, path: str):
 
     if args.prompt_ids is not None:
         return np.array([args.prompt_ids], dtype=np.int64)
-    from .checkpoint import load_text_side
+    from diffusiongemma.checkpoint import load_text_side
 
     if not args.prompt.strip():
         raise ValueError("the prompt is empty; give some text, or token ids with --prompt-ids")

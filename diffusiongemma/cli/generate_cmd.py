@@ -1,0 +1,243 @@
+"""The ``generate`` subcommand: text from a checkpoint by block diffusion, with the live view, progress bars,
+the stop reason, and a ``--json`` record of the run (per-step data for ``diffusiongemma plot``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .argtypes import non_negative_float, positive_float, positive_int, seed
+
+BACKENDS = ["reference", "cpu", "gpu"]  # other backends are appended here by their modules
+VIEWS = ("auto", "live", "plain")
+
+
+class UsageError(ValueError):
+    """A command-line value that argparse cannot check by itself (the message names the option)."""
+
+
+def shipped_defaults() -> dict:
+    """The shipped model's ``generation_config.json`` (shown in ``--help``), or {} when unreadable."""
+    try:
+        from diffusiongemma.checkpoint import default_model_dir
+
+        with open(os.path.join(default_model_dir(), "generation_config.json"), encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def register(commands, formatter) -> None:
+    """Add ``generate`` to the ``diffusiongemma`` subparsers."""
+    shipped = shipped_defaults()
+
+    def from_checkpoint(key: str) -> str:
+        value = shipped.get(key) if key != "entropy_bound" else (shipped.get("sampler_config") or {}).get(key)
+        return f"(default: the checkpoint's generation_config.json; shipped model: {value})"
+
+    gen = commands.add_parser(
+        "generate", help="generate text by block diffusion", formatter_class=formatter,
+        description="Generate text after a prompt by block diffusion: canvases of C tokens, each denoised "
+                    "from random tokens in up to N steps, committed, encoded, and followed by the next.",
+        epilog="Exit status: 0 done, 2 bad arguments or a failing checkpoint, 130 interrupted (Ctrl-C).")
+    gen.add_argument("prompt", nargs="?", default=None,
+                     help="the prompt text; '-' reads it from standard input (or use -p)")
+    gen.add_argument("-p", "--prompt", dest="prompt_option", metavar="TEXT", default=None,
+                     help="the prompt text (instead of the positional argument; '-' reads standard input)")
+    gen.add_argument("-m", "--model", default=None, metavar="DIR",
+                     help="checkpoint directory, transformers or converted (default: the shipped tiny-kjv model)")
+    gen.add_argument("--backend", choices=BACKENDS, default="reference",
+                     help="reference (NumPy), cpu (compiled fast path), gpu (CuPy)")
+    gen.add_argument("-n", "--max-new-tokens", type=positive_int, default=None, metavar="N",
+                     help="new tokens to generate, rounded up to whole canvases " + from_checkpoint("max_new_tokens"))
+    gen.add_argument("--max-length", type=positive_int, default=None, metavar="L",
+                     help="also stop once prompt + output reach L tokens (transformers' max_length)")
+    gen.add_argument("--steps", type=positive_int, default=None,
+                     help="most denoising steps per canvas " + from_checkpoint("max_denoising_steps"))
+    gen.add_argument("--seed", type=seed, default=None,
+                     help="seed of the draw source (Philox), in [0, 2**64); default: a random seed, printed on "
+                          "stderr and in --json so that the run can be repeated")
+    gen.add_argument("--entropy-bound", type=positive_float, default=None, metavar="NATS",
+                     help="acceptance entropy bound " + from_checkpoint("entropy_bound"))
+    temps = gen.add_mutually_exclusive_group()
+    temps.add_argument("--temp", type=positive_float, default=None, metavar="T",
+                       help="one temperature for every step: sets t_min = T and t_max = the next float above T, "
+                            "so the linear schedule t_min + (t_max - t_min) * n/N is T at every step")
+    temps.add_argument("--t-min", type=non_negative_float, default=None,
+                       help="temperature schedule minimum " + from_checkpoint("t_min"))
+    gen.add_argument("--t-max", type=non_negative_float, default=None,
+                     help="temperature schedule maximum (first step) " + from_checkpoint("t_max"))
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="do not stop at EOS: the run's eos_token_id is set to none, so only the token budget "
+                          "or --max-length ends it")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object (text, ids, stop_reason, seed, timings, per-step data) instead of "
+                          "text; never mixed with terminal codes")
+    gen.add_argument("--view", choices=VIEWS, default="auto",
+                     help="live: redraw the canvas in place while denoising (auto: when the output is a terminal; "
+                          "with --json, only on stderr and only when it is a terminal)")
+    gen.add_argument("--frame-time", type=non_negative_float, default=0.08, metavar="S",
+                     help="live view: each frame stays at least S seconds; faster steps are dropped")
+    gen.add_argument("--view-wait", action="store_true",
+                     help="live view: show every step, waiting out the frame time (slows the run down)")
+    gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="progress bars on stderr (default: when stderr is a terminal and the live view is off)")
+    gen.set_defaults(handler=run)
+
+
+# ================================================================================================ the run
+def read_prompt(args) -> str:
+    """The prompt from the argument, ``-p`` or standard input; ``UsageError`` naming the option."""
+    if args.prompt is not None and args.prompt_option is not None:
+        raise UsageError("the prompt was given twice: as an argument and with -p/--prompt; give one")
+    text, where = ((args.prompt, "the prompt argument") if args.prompt is not None
+                   else (args.prompt_option, "-p/--prompt"))
+    if text is None:
+        raise UsageError("no prompt: give one as an argument, with -p/--prompt, or '-' to read standard input")
+    if text == "-":
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"the prompt on standard input is not valid UTF-8: byte {data[exc.start]:#04x} at "
+                             f"offset {exc.start}") from None
+        where = "the prompt on standard input"
+    else:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # undecodable argv bytes arrive as lone surrogates
+            raise UsageError(f"{where} is not valid UTF-8: byte {ord(text[exc.start]) - 0xDC00:#04x} at character "
+                             f"{exc.start}") from None
+    if not text.strip():
+        raise UsageError(f"{where}: the prompt is empty; give some text to continue, e.g. "
+                         "diffusiongemma generate \"And God said\"")
+    return text
+
+
+def settings_for(args, path: str, model_config):
+    """The checkpoint's generation settings with the command line's changes applied."""
+    from diffusiongemma.reference.generate import GenerationConfig
+
+    try:
+        settings = GenerationConfig.from_pretrained(path)
+    except FileNotFoundError:
+        settings = GenerationConfig(eos_token_id=model_config.eos_token_id, pad_token_id=model_config.pad_token_id)
+    t_min, t_max = args.t_min, args.t_max
+    if args.temp is not None:
+        if args.t_max is not None:
+            raise UsageError("--temp sets both t_min and t_max; drop --t-max")
+        t_min, t_max = constant_temperature(args.temp)
+    changes = {"max_new_tokens": args.max_new_tokens, "max_length": args.max_length,
+               "max_denoising_steps": args.steps, "entropy_bound": args.entropy_bound, "t_min": t_min,
+               "t_max": t_max}
+    settings = settings.replace(**{k: v for k, v in changes.items() if v is not None})
+    if args.ignore_eos:
+        settings = settings.replace(eos_token_id=())
+    return settings
+
+
+def constant_temperature(temp: float) -> tuple[float, float]:
+    """(t_min, t_max) giving every step temperature float32(temp): the schedule needs t_max > t_min, so t_max
+    is the next float64 above temp; (t_max - t_min) * n/N is then far below float32 resolution."""
+    import math
+
+    return temp, math.nextafter(temp, math.inf)
+
+
+def _ids(value) -> tuple[int, ...]:
+    """An id or a list of ids (or None) as a tuple."""
+    if value is None:
+        return ()
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+def run(args) -> int:
+    from diffusiongemma.checkpoint import default_model_dir, generate_function, load_model, load_text_side
+    from diffusiongemma.plot import DenoisingLog
+    from diffusiongemma.reference.generate import new_token_budget
+
+    import numpy as np
+
+    from . import stopping, threads
+    from .live_view import LiveCanvasView
+    from .progress import Fanout, ProgressBars, without_library_progress
+
+    prompt = read_prompt(args)
+    seed_value, seed_given = (args.seed, True) if args.seed is not None else (int.from_bytes(os.urandom(4), "big"), False)
+    path = args.model or default_model_dir()
+    t0 = time.perf_counter()
+    text_side = load_text_side(path)
+    model = load_model(path, args.backend)
+    settings = settings_for(args, path, model.config)
+    load_seconds = time.perf_counter() - t0
+
+    prompt_text = text_side.apply_chat_template(prompt) if args.chat else prompt
+    prompt_ids = text_side.encode(prompt_text, add_special_tokens=not args.chat)
+    if not prompt_ids:
+        raise UsageError(f"the prompt {prompt!r} tokenizes to nothing")
+    C = int(model.config.canvas_length)
+    planned = -(-new_token_budget(settings, len(prompt_ids)) // C)
+
+    view_stream = None
+    if args.view == "live" and not args.json:
+        view_stream = sys.stdout
+    elif args.json and args.view != "plain" and sys.stderr.isatty():
+        view_stream = sys.stderr if args.view == "live" else None
+    elif args.view == "auto" and sys.stdout.isatty():
+        view_stream = sys.stdout
+    view = None if view_stream is None else LiveCanvasView(
+        text_side, prompt_text, view_stream, planned_canvases=planned, max_steps=settings.max_denoising_steps,
+        eos_ids=settings.eos_token_id or _ids(getattr(model.config, "eos_token_id", None)), pad_id=settings.pad_token_id,
+        frame_time=args.frame_time, wait=args.view_wait)
+    show_bars = args.progress if args.progress is not None else (view is None and sys.stderr.isatty())
+    bars = ProgressBars(planned, settings.max_denoising_steps) if show_bars else None
+    log = DenoisingLog()
+
+    generate = generate_function(args.backend)
+    t1 = time.perf_counter()
+    interrupted = True
+    try:
+        result = generate(model, np.array([prompt_ids], dtype=np.int64), generation_config=settings,
+                          random=seed_value, callback=Fanout(log, bars, view), **without_library_progress(generate))
+        interrupted = False
+    finally:
+        if bars is not None:
+            bars.close()
+        if view is not None:
+            view.close(interrupted=interrupted)
+    seconds = time.perf_counter() - t1
+
+    new_ids = [int(t) for t in result.sequences[0, len(prompt_ids):]]
+    pad = settings.pad_token_id
+    n_real = sum(1 for t in new_ids if t != pad)
+    text = text_side.decode(new_ids)
+    reason = stopping.stop_reason(result, settings, len(prompt_ids), C)
+    stop_line = stopping.describe(reason, settings, planned, C)
+    rate = round(n_real / seconds, 2) if seconds > 0 else None
+    if args.json:
+        from diffusiongemma import __version__
+
+        print(json.dumps({
+            "prompt": prompt, "prompt_text": prompt_text, "text": text, "prompt_token_ids": prompt_ids,
+            "token_ids": new_ids, "stop_reason": reason, "stop": stop_line, "seed": seed_value,
+            "seed_given": seed_given, "canvases": len(result.steps_per_canvas), "planned_canvases": planned,
+            "canvas_length": C, "tokens_per_forward": float(result.tokens_per_forward[0]),
+            "steps_per_canvas": [int(s) for s in result.steps_per_canvas],
+            "decoder_passes": int(result.forward_passes[0]) if result.forward_passes is not None else None,
+            "timings": {"load_s": round(load_seconds, 4), "generate_s": round(seconds, 4), "tokens_per_s": rate},
+            "threads": threads.describe(), "settings": settings.to_dict(), "model": path, "backend": args.backend,
+            "version": __version__, "denoising": log.to_json(),
+        }, ensure_ascii=False))
+    else:
+        print(prompt_text + text, flush=True)
+        print(f"[{n_real} tokens in {seconds:.2f} s: {n_real / max(seconds, 1e-9):.1f} tokens/s, "
+              f"{float(result.tokens_per_forward[0]):.2f} tokens per forward, "
+              f"steps per canvas {list(result.steps_per_canvas)}, backend {args.backend}]", file=sys.stderr)
+        print(f"[{stop_line}; seed {seed_value}{'' if seed_given else ' (random)'}: --seed {seed_value} repeats "
+              "this run]", file=sys.stderr)
+    return 0
