@@ -128,8 +128,9 @@ def check_finite(array: np.ndarray, name: str = "tensor", what: str = "refusing 
             values = flat.astype(np.float32)
             nan, inf = int(np.count_nonzero(np.isnan(values))), int(np.count_nonzero(np.isinf(values)))
             first = int(np.flatnonzero(~np.isfinite(values))[0])
-            raise CheckpointError(f"tensor {name!r} holds {nan} NaN and {inf} infinite value(s) (in "
-                                  f"{array.dtype}; first at flat index {first}: {values[first]!r}); {what}")
+            raise CheckpointError(f"tensor {name!r} holds {nan + inf} NaN or infinite value(s) ({nan} NaN, "
+                                  f"{inf} inf, in {array.dtype}; the first at flat index {first} is "
+                                  f"{float(values[first])}); {what}")
 
 
 def check_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig, finite: bool = True) -> None:
@@ -166,7 +167,7 @@ def read_index(path: str | os.PathLike, name: str | os.PathLike | None = None) -
     (``load_converted`` reads through a pinned directory handle). Raises ``CheckpointError`` naming the
     file and the field: not UTF-8 JSON, not an object, wrong format or version, unknown dtype, no
     ``model_config`` object, no ``weight_map`` object, a ``weight_map`` value that is not a plain file name,
-    a ``generation`` that is not a string.
+    ``file_digests`` that is not an object of strings.
     """
     index_path = os.path.join(path, INDEX_FILE)
     try:
@@ -195,8 +196,9 @@ def read_index(path: str | os.PathLike, name: str | os.PathLike | None = None) -
         if not isinstance(filename, str) or not filename or os.path.basename(filename) != filename:
             raise CheckpointError(f"{index_path}: weight_map[{tensor!r}] must be a file name in the directory, "
                                   f"got {filename!r}")
-    if "generation" in index and not isinstance(index["generation"], str):
-        raise CheckpointError(f"{index_path}: 'generation' must be a string, got {index['generation']!r}")
+    digests = index.get("file_digests", {})
+    if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
+        raise CheckpointError(f"{index_path}: 'file_digests' must map file names to digest strings")
     return index
 
 
@@ -212,7 +214,7 @@ def _pinned_directory(path: str) -> tuple[int | None, str]:
 
     On Linux the name is ``/proc/self/fd/N``: every file read through it comes from the directory that
     was opened, even if another process renames a new checkpoint into ``path`` meanwhile. Elsewhere the
-    name is ``path`` itself and consistency rests on the generation check of ``load_converted`` alone.
+    name is ``path`` itself and consistency rests on the digest check of ``load_converted`` alone.
     """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -234,9 +236,9 @@ def load_converted(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.n
 
     Readers and a concurrent replace (``convert(..., force=True)``, which swaps directories atomically):
     the directory is opened once and every file is read through that handle, so the result is the
-    old checkpoint or the new one, never a mixture; every weight file's metadata must carry the index's
-    ``generation`` id (written by the converter), which catches a mixture on systems without
-    ``/proc/self/fd``. If the directory is replaced and deleted mid-read, the read is retried (up to 3
+    old checkpoint or the new one, never a mixture; every weight file's metadata digest must equal the
+    one the index records for it (``file_digests``, written by the converter), which catches a mixture
+    on systems without ``/proc/self/fd``. If the directory is replaced and deleted mid-read, the read is retried (up to 3
     times) and then fails with ``CheckpointChanged``.
     Raises ``CheckpointError`` (bad index, unreadable or truncated file, missing/unknown/misshapen
     tensor, a tensor the index does not list, a dtype other than the index's, NaN/inf values) or
@@ -269,23 +271,23 @@ def _read_weight_files(path: str, base: str, index: dict, config: ModelConfig) -
     by_file: dict[str, list[str]] = {}
     for name, filename in index["weight_map"].items():
         by_file.setdefault(filename, []).append(name)
-    generation = index.get("generation")
+    digests = index.get("file_digests", {})
     want_dtype = _SAFETENSORS_DTYPES[index["dtype"]]
     tensors: dict[str, np.ndarray] = {}
     for filename, names in by_file.items():
         file_path = os.path.join(path, filename)
         if not os.path.isfile(os.path.join(base, filename)):
-            if generation is not None and not os.path.isfile(os.path.join(base, INDEX_FILE)):
+            if not os.path.isfile(os.path.join(base, INDEX_FILE)):
                 raise CheckpointChanged(f"{path}: the checkpoint was replaced while it was being read "
                                         f"({filename} vanished); read it again")
             raise CheckpointError(f"{path}: weight file {filename!r} listed in {INDEX_FILE} is missing")
         try:
             with safe_open(os.path.join(base, filename), framework="numpy") as f:
-                file_generation = (f.metadata() or {}).get("generation")
-                if generation is not None and file_generation != generation:
+                file_digest = (f.metadata() or {}).get("diffusiongemma.digest")
+                if filename in digests and file_digest != digests[filename]:
                     raise CheckpointChanged(
-                        f"{file_path}: belongs to checkpoint generation {file_generation!r}, but {INDEX_FILE} "
-                        f"says {generation!r}: the directory was replaced while it was being read, or mixes "
+                        f"{file_path}: its digest {file_digest!r} is not the {digests[filename]!r} that "
+                        f"{INDEX_FILE} records: the directory was replaced while it was being read, or mixes "
                         "files of two conversions")
                 present = set(f.keys())
                 extra = sorted(present - set(names))

@@ -8,8 +8,9 @@
 * ``ShardWriter`` packs tensors, in the order given, into ``weights-00001.safetensors``,
   ``weights-00002.safetensors``, ... so that no file exceeds ``shard_size`` bytes of tensor data
   unless one tensor alone is larger (a tensor is never split). It holds at most one shard's
-  tensors in memory. Every file's metadata carries the writer's random ``generation`` id, which the
-  index repeats, so that a reader can tell files of two conversions apart.
+  tensors in memory. Every file's metadata carries a digest of its tensors (names, dtypes, shapes,
+  bytes), which the index repeats (``file_digests``), so that a reader can tell files of two
+  conversions apart without hashing anything itself.
 * ``atomic_directory`` builds the output in a hidden sibling directory and swaps it into place at the
   end (see its docstring for the guarantees), and removes the hidden directories that interrupted
   conversions left behind.
@@ -30,7 +31,6 @@ import socket
 import sys
 import tempfile
 import time
-import uuid
 from typing import Iterator
 
 import ml_dtypes
@@ -44,6 +44,7 @@ from diffusiongemma.reference.weights import check_finite as _check_finite
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 WEIGHT_FILE_PATTERN = "weights-{:05d}.safetensors"
+DIGEST_KEY = "diffusiongemma.digest"  # safetensors metadata key of a weight file's content digest
 STALE_AFTER_S = 24 * 3600  # a hidden partial directory untouched this long is removed whoever wrote it
 
 
@@ -52,7 +53,7 @@ class WriteError(OSError):
     file and the cause, ``errno`` is the system's code. The partial output has been removed."""
 
 
-def _write_error(path: str, exc: BaseException) -> WriteError:
+def write_error(path: str, exc: BaseException) -> WriteError:
     """A ``WriteError`` for a failed write of ``path`` (an ``OSError`` or safetensors' I/O error)."""
     code = getattr(exc, "errno", None)
     if code is None:
@@ -86,6 +87,23 @@ def to_storage(array: np.ndarray, dtype: str, name: str = "tensor") -> np.ndarra
     return out
 
 
+def check_free_space(dst: str | os.PathLike, needed: int) -> None:
+    """Raise ``WriteError`` (ENOSPC) when the file system of ``dst``'s parent has less than ``needed`` bytes free.
+
+    ``needed`` is the tensor bytes of the output (a replace with ``force`` keeps the old checkpoint until
+    the new one is complete, so its space does not count as free). Headers and side files are small
+    next to it and are not counted.
+    """
+    parent = os.path.dirname(os.path.abspath(os.fspath(dst)))
+    try:
+        free = shutil.disk_usage(parent).free
+    except OSError:
+        return
+    if needed > free:
+        raise WriteError(errno.ENOSPC, f"cannot write {os.fspath(dst)}: the output needs {needed:,} bytes but "
+                                       f"{parent} has {free:,} bytes free; nothing was written")
+
+
 def check_finite(array: np.ndarray, name: str = "tensor") -> None:
     """Raise ``CheckpointError`` naming ``name`` if ``array`` holds a NaN or an infinity.
 
@@ -107,7 +125,7 @@ class ShardWriter:
             raise InputError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
         self.directory = os.fspath(directory)
         self.shard_size = shard_size
-        self.generation = uuid.uuid4().hex  # written into every file's metadata; the index repeats it
+        self.digests: dict[str, str] = {}  # file name -> content digest (also in that file's metadata)
         self.weight_map: dict[str, str] = {}
         self.files: list[str] = []
         self._pending: dict[str, np.ndarray] = {}
@@ -131,10 +149,16 @@ class ShardWriter:
     def _flush(self) -> None:
         filename = WEIGHT_FILE_PATTERN.format(len(self.files) + 1)
         path = os.path.join(self.directory, filename)
+        digest = hashlib.blake2b(digest_size=16)
+        for name, array in self._pending.items():
+            digest.update(f"{name}|{array.dtype.name}|{array.shape};".encode())
+            digest.update(array.reshape(-1).view(np.uint8).data)
+        self.digests[filename] = digest.hexdigest()
         try:
-            save_file(self._pending, path, metadata={"format": "diffusiongemma", "generation": self.generation})
+            # one metadata key only: safetensors writes its metadata map in hash order, which varies per call
+            save_file(self._pending, path, metadata={DIGEST_KEY: self.digests[filename]})
         except (OSError, SafetensorError) as exc:
-            raise _write_error(path, exc) from exc
+            raise write_error(path, exc) from exc
         self.files.append(filename)
         self.weight_map.update({name: filename for name in self._pending})
         self._pending, self._pending_bytes = {}, 0
@@ -356,7 +380,7 @@ def atomic_directory(dst: str | os.PathLike, force: bool = False) -> Iterator[st
       place: a kill between the two renames leaves ``dst`` missing for a moment, and the next run puts
       the old one back (``cleanup_stale``).
     * A reader that opened ``dst`` before the swap keeps reading the old directory through its handle;
-      each weight file names the conversion's ``generation``, so a reader that mixes files notices.
+      each weight file carries its digest, repeated in the index, so a reader that mixes files notices.
     * On any exception, ``KeyboardInterrupt`` included, the hidden directory is removed, ``dst`` is left
       as it was (absent, or the old checkpoint under ``force``) and the exception propagates. Only a
       hard kill (SIGKILL, power loss) leaves a hidden directory behind, and the next run to the same
