@@ -36,7 +36,7 @@ from diffusiongemma.reference.weights import (FORMAT_NAME, FORMAT_VERSION, INDEX
 
 from .names import TIED_GROUP, hf_name, project_name, skipped_group, tied_source
 from .source import CONFIG_FILE, SourceTensor, TransformersCheckpoint
-from .writer import ShardWriter, atomic_directory, check_destination, to_storage
+from .writer import ShardWriter, atomic_directory, check_destination, check_free_space, to_storage, write_error
 
 DEFAULT_SHARD_SIZE = 2 * 1024 ** 3  # bytes of tensor data per output file (one bigger tensor may exceed it)
 
@@ -237,6 +237,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
         raise InputError(f"source and destination are the same directory: {src}")
     check_destination(dst, force)  # fail before reading anything
     plan = plan_conversion(TransformersCheckpoint.open(src))
+    check_free_space(dst, sum(int(np.prod(t.shape)) for t in plan.sources.values()) * (4 if dtype == "float32" else 2))
     source_bytes: Counter[str] = Counter()
     with atomic_directory(dst, force=force) as tmp:
         writer = ShardWriter(tmp, shard_size)
@@ -248,9 +249,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
         copied = _copy_side_files(src, tmp)
         parameter_count = sum(int(np.prod(t.shape)) for t in plan.sources.values())
         index = _index(plan, dtype, weight_map, parameter_count)
-        with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=2)
-            f.write("\n")
+        index["file_digests"] = dict(writer.digests)  # lets readers detect files of another conversion
+        index_path = os.path.join(tmp, INDEX_FILE)
+        try:
+            with open(index_path, "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2)
+                f.write("\n")
+        except OSError as exc:
+            raise write_error(index_path, exc) from exc
     itemsize = 4 if dtype == "float32" else 2
     return ConversionSummary(source=src, destination=dst, dtype=dtype, num_tensors=len(weight_map),
                              parameter_count=parameter_count, source_bytes=dict(source_bytes),
@@ -269,7 +275,10 @@ def _copy_side_files(src: str, dst: str) -> list[str]:
     for source_name, dest_name in SIDE_FILES.items():
         path = os.path.join(src, source_name)
         if os.path.isfile(path):
-            shutil.copyfile(path, os.path.join(dst, dest_name))
+            try:
+                shutil.copyfile(path, os.path.join(dst, dest_name))
+            except OSError as exc:
+                raise write_error(os.path.join(dst, dest_name), exc) from exc
             copied.append(dest_name)
     return copied
 
