@@ -123,7 +123,7 @@ def unresolved(files: list[Path], definitions: dict[str, set[str]]) -> list[str]
                 problems.append(f"{path.relative_to(ROOT)}:{line}: {SIGN}{what} names no document (write SPEC "
                                 f"{SIGN}{what} or TRAINING.md {SIGN}{what})")
             elif what not in definitions[doc]:
-                shown = what if what.startswith("T") else SIGN + what
+                shown = f"trap {what}" if what.startswith("T") else SIGN + what
                 problems.append(f"{path.relative_to(ROOT)}:{line}: {doc} {shown} is not defined in "
                                 f"docs/{doc}.md")
     return problems
