@@ -216,7 +216,7 @@ def run(args) -> int:
     pad = settings.pad_token_id
     n_real = sum(1 for t in new_ids if t != pad)
     text = text_side.decode(new_ids)
-    reason = stopping.stop_reason(result, settings, len(prompt_ids), C)
+    reason = stopping.stop_reason(result)
     stop_line = stopping.describe(reason, settings, planned, C)
     rate = round(n_real / seconds, 2) if seconds > 0 else None
     if args.json:

@@ -14,30 +14,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 REASONS = ("eos", "max_length", "max_new_tokens")
 
 
-def stop_reason(result: Any, settings: Any, prompt_length: int, canvas_length: int, row: int = 0) -> dict:
-    """``{"reason": ..., "canvas": k}`` for ``row`` of ``result`` (a ``GenerationResult``).
-
-    Uses ``result.stop_reasons`` when the library provides it; otherwise derives the same answer from the
-    output: the first committed canvas holding an EOS id, else the max-length rule when ``max_length`` is set
-    and reached, else the token budget.
-    """
-    reasons = getattr(result, "stop_reasons", None)
-    if reasons:
-        found = reasons[row]
-        return {"reason": str(found["reason"]), "canvas": int(found["canvas"])}
-    new = np.asarray(result.sequences[row, prompt_length:])  # (k*C,) the committed canvases
-    canvases = max(len(result.steps_per_canvas), 1)
-    eos = np.flatnonzero(np.isin(new, list(settings.eos_token_id))) if settings.eos_token_id else []
-    if len(eos):
-        return {"reason": "eos", "canvas": int(eos[0]) // canvas_length}
-    if settings.max_length is not None and result.sequences.shape[1] >= settings.max_length:
-        return {"reason": "max_length", "canvas": canvases - 1}
-    return {"reason": "max_new_tokens", "canvas": canvases - 1}
+def stop_reason(result: Any, row: int = 0) -> dict:
+    """``{"reason": ..., "canvas": k}`` for ``row`` of ``result`` (a ``GenerationResult``: its
+    ``stop_reasons``, filled by the generation loop of every backend)."""
+    found = result.stop_reasons[row]
+    reason = str(found["reason"])
+    if reason not in REASONS:
+        raise ValueError(f"unknown stop reason {reason!r} in the generation result")
+    return {"reason": reason, "canvas": int(found["canvas"])}
 
 
 def describe(reason: dict, settings: Any, planned_canvases: int, canvas_length: int) -> str:
