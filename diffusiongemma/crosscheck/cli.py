@@ -1,0 +1,45 @@
+"""The ``crosscheck`` subcommand: run another DiffusionGemma implementation and the reference side by side.
+
+    diffusiongemma crosscheck mlx-vlm                 tiny random checkpoint, text report
+    diffusiongemma crosscheck diffusers --json        the same report as one JSON object
+    diffusiongemma crosscheck transformers -m DIR     any transformers-layout checkpoint
+
+Exit status: 0 the peer agrees with the reference, 1 it differs (the report says where and why), 2 a usage
+or setup error (unknown peer, peer not installed: the message has the install command, bad checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(commands, formatter=argparse.HelpFormatter) -> None:
+    """Add ``crosscheck`` to the ``diffusiongemma`` subparsers."""
+    from . import PEERS
+
+    parser = commands.add_parser("crosscheck", help="compare another implementation with the reference",
+                                 formatter_class=formatter, description=__doc__)
+    parser.add_argument("peer", choices=PEERS, help="the implementation to check")
+    parser.add_argument("-m", "--model", default=None,
+                        help="transformers-layout checkpoint directory (default: a tiny random checkpoint built "
+                             "in a temporary directory, with every norm weight and scalar randomised)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the inputs and of the peer's random stream")
+    parser.add_argument("--canvases", type=int, default=2, help="canvases generated per sampler configuration")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from . import PeerUnavailable, crosscheck
+
+    if args.canvases < 1:
+        print("diffusiongemma crosscheck: error: --canvases must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        report = crosscheck(args.peer, args.model, seed=args.seed, canvases=args.canvases)
+    except PeerUnavailable as exc:
+        print(f"diffusiongemma crosscheck: error: {exc}", file=sys.stderr)
+        return 2
+    print(report.to_json() if args.json else report.to_text())
+    return report.exit_code

@@ -1,0 +1,141 @@
+"""Peer adapter: transformers 5.24.0 ``DiffusionGemmaForBlockDiffusion`` (the ground truth).
+
+Forward: the encoder into a ``DynamicCache``, the decoder at explicit positions, ``lm_head`` and the final
+soft-cap, as ``generate`` calls them. Generation: ``model.generate`` with torch's RNG seeded; every
+``torch.randint`` / ``torch.multinomial`` result is recorded (their order is the draw contract, SPEC §8.3)
+and replayed into our loop, so sampler decisions are compared exactly. Semantics on our side:
+``transformers``. No adaptation is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .common import ForwardInputs, PeerRun, PeerUnavailable
+
+NAME = "transformers"
+SEMANTICS = "transformers"
+INSTALL = 'pip install -e ".[test]"   (torch 2.13.0 CPU, transformers 5.24.0)'
+
+
+def version() -> str:
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        raise PeerUnavailable(f"transformers/torch are not installed ({exc}); install with: {INSTALL}") from None
+    return f"{transformers.__version__} (torch {torch.__version__})"
+
+
+class Peer:
+    """A loaded transformers checkpoint."""
+
+    name = NAME
+    semantics = SEMANTICS
+
+    def __init__(self, model_dir: str, workdir: str):
+        version()
+        import torch
+        from transformers import DiffusionGemmaForBlockDiffusion
+
+        try:
+            self.model = DiffusionGemmaForBlockDiffusion.from_pretrained(
+                model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        except Exception as exc:  # transformers raises many kinds on a bad directory
+            raise PeerUnavailable(f"transformers cannot load {model_dir!r}: {exc}") from None
+        self.adaptations: list[str] = ["loaded in float32 with eager attention (the reference computes in float32)"]
+        self.defects: list[str] = []
+
+    # -------------------------------------------------------------------------------------- forward
+    def _cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config.text_config)
+
+    def _encode(self, cache, ids: np.ndarray) -> None:
+        import torch
+
+        past = cache.get_seq_length()
+        with torch.no_grad():
+            self.model.model.encoder.language_model(input_ids=torch.tensor(ids), cache=cache,
+                                                    position_ids=torch.arange(past, past + ids.shape[1])[None])
+
+    def _denoise(self, cache, canvas: np.ndarray, sc: np.ndarray | None) -> np.ndarray:
+        import torch
+
+        L, C = cache.get_seq_length(), canvas.shape[1]
+        extra = {} if sc is None else {"self_conditioning_logits": torch.tensor(sc)}
+        with torch.no_grad():
+            out = self.model.model.decoder(decoder_input_ids=torch.tensor(canvas), cache=cache,
+                                           decoder_position_ids=torch.arange(L, L + C)[None], **extra)
+            logits = self.model.lm_head(out.last_hidden_state).float()
+            cap = self.model.config.text_config.final_logit_softcapping
+            logits = cap * torch.tanh(logits / cap)
+        return logits.numpy()
+
+    def forward(self, x: ForwardInputs) -> dict[str, np.ndarray]:
+        cache = self._cache()
+        self._encode(cache, x.prompt)
+        prefill = self._denoise(cache, x.canvas, None)
+        with_sc = self._denoise(cache, x.canvas, (prefill / np.float32(x.temperature)).astype(np.float32))
+        self._encode(cache, np.argmax(with_sc, axis=-1).astype(np.int64))
+        return {"prefill": prefill, "self-conditioning": with_sc, "after commit": self._denoise(cache, x.canvas2, None)}
+
+    # -------------------------------------------------------------------------------------- generation
+    def generate(self, prompt: np.ndarray, settings: Any, seed: int, options: dict) -> PeerRun:
+        """``model.generate`` with ``settings`` (our GenerationConfig), recording draws and decoder calls."""
+        import torch
+
+        model = self.model
+        B, C = prompt.shape[0], int(model.config.canvas_length)
+        run = PeerRun(tokens=[])
+        randint, multinomial = torch.randint, torch.multinomial
+        previous = [None]
+        position = {"canvas": -1, "step": 0}
+
+        def recording_randint(*args, **kw):
+            out = randint(*args, **kw)
+            kind = "renoise" if previous[0] == "categorical" else "canvas"
+            run.tape.append((kind, out.numpy().astype(np.int64)))
+            previous[0] = kind
+            if kind == "canvas":
+                position["canvas"] += 1
+                position["step"] = 0
+                run.steps_per_canvas.append(0)
+            return out
+
+        def recording_multinomial(probs, num_samples, *args, **kw):
+            out = multinomial(probs, num_samples, *args, **kw)
+            run.tape.append(("categorical", out.view(B, C).numpy().astype(np.int64)))
+            previous[0] = "categorical"
+            return out
+
+        forward = model.forward
+
+        def recording_forward(*args, **kw):
+            out = forward(*args, **kw)
+            run.calls.append((position["canvas"], position["step"], kw["decoder_input_ids"].numpy().copy(),
+                              out.logits.detach().float().numpy().copy()))
+            position["step"] += 1
+            run.steps_per_canvas[-1] += 1
+            return out
+
+        kwargs = dict(max_new_tokens=settings.max_new_tokens, max_denoising_steps=settings.max_denoising_steps,
+                      t_min=settings.t_min, t_max=settings.t_max, stability_threshold=settings.stability_threshold,
+                      confidence_threshold=settings.confidence_threshold,
+                      eos_token_id=list(settings.eos_token_id) or None, pad_token_id=settings.pad_token_id)
+        from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+        kwargs["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=settings.entropy_bound)
+        torch.randint, torch.multinomial = recording_randint, recording_multinomial
+        model.forward = recording_forward  # generate() binds self.forward as its decoder
+        try:
+            torch.manual_seed(seed)
+            out = model.generate(torch.tensor(prompt), **kwargs)
+        finally:
+            torch.randint, torch.multinomial = randint, multinomial
+            del model.forward
+        run.tokens = [int(t) for t in out.sequences.numpy()[0, prompt.shape[1]:]]
+        return run
