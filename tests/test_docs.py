@@ -98,6 +98,7 @@ def citations(text: str, own_doc: str | None) -> list[tuple[int, str, str]]:
 
 
 def scanned_files() -> list[Path]:
+    """The project's source and documentation files, build outputs and data folders left out."""
     files = [ROOT / name for name in SCANNED_FILES if (ROOT / name).is_file()]
     for top in SCANNED_DIRS:
         for dirpath, dirnames, filenames in os.walk(ROOT / top):
@@ -107,24 +108,25 @@ def scanned_files() -> list[Path]:
 
 
 def own_document(path: Path) -> str | None:
+    """"SPEC" or "TRAINING" when ``path`` is that document (a bare sign there means itself), else None."""
     for name, doc in SEMANTICS.items():
         if path.resolve() == doc.resolve():
             return name
     return None
 
 
-def unresolved(files: list[Path], definitions: dict[str, set[str]]) -> list[str]:
-    """'file:line: DOC what' for each citation the definitions lack."""
+def unresolved(files: list[Path], definitions: dict[str, set[str]], root: Path = ROOT) -> list[str]:
+    """'file:line: DOC what' (paths relative to ``root``) for each citation the definitions lack."""
     problems = []
     for path in files:
         text = path.read_text(encoding="utf-8", errors="replace")
         for line, doc, what in citations(text, own_document(path)):
             if doc == "?":
-                problems.append(f"{path.relative_to(ROOT)}:{line}: {SIGN}{what} names no document (write SPEC "
+                problems.append(f"{path.relative_to(root)}:{line}: {SIGN}{what} names no document (write SPEC "
                                 f"{SIGN}{what} or TRAINING.md {SIGN}{what})")
             elif what not in definitions[doc]:
                 shown = f"trap {what}" if what.startswith("T") else SIGN + what
-                problems.append(f"{path.relative_to(ROOT)}:{line}: {doc} {shown} is not defined in "
+                problems.append(f"{path.relative_to(root)}:{line}: {doc} {shown} is not defined in "
                                 f"docs/{doc}.md")
     return problems
 
@@ -190,12 +192,7 @@ def test_collector_reports_what_is_not_defined(tmp_path):
     defs = {"SPEC": {"7.3", "T5", "T6"}, "TRAINING": {"9", "2.3"}}
     found = citations(sample.read_text(encoding="utf-8"), None)
     assert (1, "SPEC", "7.3") in found and (2, "TRAINING", "98") in found and (4, "TRAINING", "2.3") in found
-    global ROOT
-    saved, ROOT = ROOT, tmp_path
-    try:
-        problems = unresolved([sample, orphan], defs)
-    finally:
-        ROOT = saved
+    problems = unresolved([sample, orphan], defs, root=tmp_path)
     assert len(problems) == 4, problems
     assert any("99.1" in p for p in problems) and any("98" in p for p in problems)
     assert any("T77" in p for p in problems) and any("names no document" in p for p in problems)
