@@ -145,6 +145,25 @@ cdef extern from *:
         for (Py_ssize_t i = 0; i < n; i++) h[i] = (h[i] + (y[i] * factor) * w[i]) * scalar;
     }
 
+    /* as dg_residual_row, returning 1 if any new h value is NaN or infinite (v - v is 0 only for finite v) */
+    DG_CLONES static int dg_residual_row_flag(float *h, const float *y, float factor, const float *w, float scalar,
+                                              Py_ssize_t n) {
+        int bad = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float v = (h[i] + (y[i] * factor) * w[i]) * scalar;
+            h[i] = v;
+            bad |= !(v - v == 0.0f);
+        }
+        return bad;
+    }
+
+    /* 1 if any of the n values is NaN or infinite */
+    DG_CLONES static int dg_non_finite_row(const float *x, Py_ssize_t n) {
+        int bad = 0;
+        for (Py_ssize_t i = 0; i < n; i++) bad |= !(x[i] - x[i] == 0.0f);
+        return bad;
+    }
+
     /* a = (a * fa) * wa + (b * fb) * wb, in place in a */
     DG_CLONES static void dg_add_normed_rows(float *a, float fa, const float *wa, const float *b, float fb,
                                              const float *wb, Py_ssize_t n) {
@@ -164,8 +183,11 @@ cdef extern from *:
         for (Py_ssize_t i = 0; i < n; i++) out[i] = dg_gelu(g[i]) * u[i];
     }
 
-    DG_CLONES static void dg_softcap_row(float *x, float cap, Py_ssize_t n) {
-        for (Py_ssize_t i = 0; i < n; i++) x[i] = cap * dg_tanhf(x[i] / cap);
+    /* soft-cap in place; returns 1 if any input was NaN or infinite (the cap would hide an infinity) */
+    DG_CLONES static int dg_softcap_row(float *x, float cap, Py_ssize_t n) {
+        int bad = 0;
+        for (Py_ssize_t i = 0; i < n; i++) { bad |= !(x[i] - x[i] == 0.0f); x[i] = cap * dg_tanhf(x[i] / cap); }
+        return bad;
     }
 
     /* maximum of x (NaN entries are ignored; -inf for an empty or all -inf row). Eight running maxima
@@ -222,9 +244,15 @@ cdef extern from *:
        becomes all zeros (the reference's zero output for such a query). */
     DG_CLONES static void dg_masked_softmax_row(float *s, Py_ssize_t T, const int64_t *kpos, const uint8_t *kreal,
                                                 int64_t qp, int64_t window, int causal) {
+        int nan = 0;
         for (Py_ssize_t t = 0; t < T; t++) {
             int vis = kreal[t] && kpos[t] >= 0 && (!causal || kpos[t] <= qp) && (window <= 0 || kpos[t] > qp - window);
+            nan |= vis & (s[t] != s[t]);
             s[t] = vis ? s[t] : -INFINITY;
+        }
+        if (nan) {                   /* a NaN score makes the whole row NaN, as in the reference (never zeros) */
+            for (Py_ssize_t t = 0; t < T; t++) s[t] = NAN;
+            return;
         }
         float m = dg_max_row(s, T);
         if (m == -INFINITY) {
@@ -377,11 +405,13 @@ cdef extern from *:
     float dg_rms_factor(const float *x, Py_ssize_t n, float eps) nogil
     void dg_scale_row(const float *x, float factor, const float *w, Py_ssize_t n, float *out) nogil
     void dg_residual_row(float *h, const float *y, float factor, const float *w, float scalar, Py_ssize_t n) nogil
+    int dg_residual_row_flag(float *h, const float *y, float factor, const float *w, float scalar, Py_ssize_t n) nogil
+    int dg_non_finite_row(const float *x, Py_ssize_t n) nogil
     void dg_add_normed_rows(float *a, float fa, const float *wa, const float *b, float fb, const float *wb,
                             Py_ssize_t n) nogil
     void dg_rope_row(float *x, const float *c, const float *s, Py_ssize_t half) nogil
     void dg_gelu_gate_row(const float *g, const float *u, Py_ssize_t n, float *out) nogil
-    void dg_softcap_row(float *x, float cap, Py_ssize_t n) nogil
+    int dg_softcap_row(float *x, float cap, Py_ssize_t n) nogil
     float dg_max_row(const float *x, Py_ssize_t n) nogil
     double dg_exp_shift_row(const float *x, float shift, Py_ssize_t n, float *out) nogil
     void dg_div_row(float *x, float d, Py_ssize_t n) nogil
@@ -503,15 +533,23 @@ def feed_forward_residual(float[:, ::1] h, float[:, ::1] dense, const float[:, :
     h, dense, moe: (N, H) float32 (``dense`` is overwritten with the sum of the two normed branches).
     Replaces the tail of ``reference.layers.feed_forward`` plus the residual add and the layer scalar of
     ``Model._block_tail`` (SPEC §4.2 steps 9-13).
+    Returns the number of rows of the new ``h`` holding a NaN or an infinity (0 normally): the block's
+    output check, fused into the write so that it costs no extra pass.
     """
     cdef Py_ssize_t N = h.shape[0], D = h.shape[1], i
     cdef float fa, fb, f
+    cdef Py_ssize_t bad = 0
+    if dense.shape[0] != N or moe.shape[0] != N or dense.shape[1] != D or moe.shape[1] != D:
+        raise ValueError("h, dense and moe must have the same shape")
+    if w_dense.shape[0] != D or w_moe.shape[0] != D or w_out.shape[0] != D:
+        raise ValueError(f"norm weights must have {D} entries")
     for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 5 * D)):
         fa = dg_rms_factor(&dense[i, 0], D, eps)
         fb = dg_rms_factor(&moe[i, 0], D, eps)
         dg_add_normed_rows(&dense[i, 0], fa, &w_dense[0], &moe[i, 0], fb, &w_moe[0], D)
         f = dg_rms_factor(&dense[i, 0], D, eps)
-        dg_residual_row(&h[i, 0], &dense[i, 0], f, &w_out[0], scalar, D)
+        bad += dg_residual_row_flag(&h[i, 0], &dense[i, 0], f, &w_out[0], scalar, D)
+    return bad
 
 
 @cython.boundscheck(False)
@@ -534,11 +572,25 @@ def gelu_gate(const float[:, ::1] gate_up, float[:, ::1] out):
 def softcap(float[:, ::1] x, float cap):
     """Final logit soft-cap in place: ``x = cap * tanh(x / cap)``. x: (N, V) float32.
 
-    Replaces ``reference.primitives.softcap``.
+    Replaces ``reference.primitives.softcap``. Returns the number of rows whose input held a NaN or an
+    infinity (0 normally; the cap would turn an infinity into +-cap, so callers must look at this).
     """
     cdef Py_ssize_t N = x.shape[0], V = x.shape[1], i
+    cdef Py_ssize_t bad = 0
     for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 20 * V)):
-        dg_softcap_row(&x[i, 0], cap, V)
+        bad += dg_softcap_row(&x[i, 0], cap, V)
+    return bad
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def count_non_finite_rows(const float[:, ::1] x):
+    """Rows of x (N, D) float32 holding a NaN or an infinity."""
+    cdef Py_ssize_t N = x.shape[0], D = x.shape[1], i
+    cdef Py_ssize_t bad = 0
+    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, D)):
+        bad += dg_non_finite_row(&x[i, 0], D)
+    return bad
 
 
 @cython.boundscheck(False)
@@ -568,9 +620,14 @@ def embed(const int64_t[::1] ids, const float[:, ::1] table, float scale, const 
     ``normalize``. Replaces ``reference.primitives.embed`` (encoder input) and the canvas input
     ``rms_norm(embed(x) + signal)`` of ``Model.canvas_input`` (SPEC §7.1 step 4).
     """
-    cdef Py_ssize_t N = ids.shape[0], H = table.shape[1], i, k
+    cdef Py_ssize_t N = ids.shape[0], H = table.shape[1], V = table.shape[0], i, k
     cdef float f
     cdef bint has_add = add is not None
+    if out.shape[0] != N or out.shape[1] != H or (has_add and (add.shape[0] != N or add.shape[1] != H)):
+        raise ValueError(f"embed: out/add must have shape ({N}, {H})")
+    for i in range(N):  # every index is validated: an id outside the table would read out of bounds
+        if ids[i] < 0 or ids[i] >= V:
+            raise IndexError(f"embed: token id {ids[i]} at {i} is outside [0, {V})")
     for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 3 * H)):
         for k in range(H):
             out[i, k] = table[ids[i], k] * scale
@@ -606,8 +663,12 @@ def heads(const float[:, :, ::1] proj, Py_ssize_t n_heads, Py_ssize_t n_kv, Py_s
         raise ValueError(f"projection width {proj.shape[2]} != {need}")
     if k_out.strides[3] != sizeof(float) or v_out.strides[3] != sizeof(float):
         raise ValueError("k_out / v_out need a contiguous last axis")
-    if cos.shape[0] != S or cos.shape[1] != half:
+    if cos.shape[0] != S or cos.shape[1] != half or sin.shape[0] != S or sin.shape[1] != half:
         raise ValueError(f"RoPE table has shape {tuple(cos.shape)[:2]}, expected ({S}, {half})")
+    if tuple(q_out.shape)[:4] != (N, S, n_heads, d) or q_norm.shape[0] != d or k_norm.shape[0] != d:
+        raise ValueError(f"q_out must have shape {(N, S, n_heads, d)} and q_norm/k_norm {d} entries")
+    if tuple(k_out.shape)[:4] != (N, n_kv, S, d) or tuple(v_out.shape)[:4] != (N, n_kv, S, d):
+        raise ValueError(f"k_out / v_out must have shape {(N, n_kv, S, d)}")
     cdef Py_ssize_t item, n, s, h
     cdef float f
     cdef const float *src
@@ -669,22 +730,36 @@ def route(float[:, ::1] logits, const float[::1] per_expert_scale, int64_t[:, ::
     index, as a stable descending sort) and weights (N, K) float32 = ``p_top / sum(p_top) *
     per_expert_scale[index]`` (the sum of the K values accumulated left to right in float32).
     SPEC §4.2 step 10, trap T7. Replaces the part of ``reference.layers.route`` after its matrix product.
+
+    Every index written is in [0, E), whatever the logits hold: a NaN probability ranks below every
+    number (as NumPy's stable ``argsort`` of ``-p`` puts NaN last), so a row of NaN (router input or
+    weights not finite) picks experts 0..K-1 like the reference, and its NaN weights carry the NaN on
+    to the block output, where the caller's finiteness check reports it.
     """
     cdef Py_ssize_t N = logits.shape[0], E = logits.shape[1], K = indices.shape[1], i, k, e, best
-    cdef float m, total, bp, psum
+    cdef float m, total, bp, p, key, psum
+    if K > E or indices.shape[0] != N or weights.shape[0] != N or weights.shape[1] != K:
+        raise ValueError(f"route: indices/weights must have shape ({N}, K <= {E})")
+    if per_expert_scale.shape[0] != E:
+        raise ValueError(f"route: per_expert_scale has {per_expert_scale.shape[0]} entries, expected {E}")
     for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, (K + 15) * E)):
         m = dg_max_row(&logits[i, 0], E)
         total = <float>dg_exp_shift_row(&logits[i, 0], m, E, &logits[i, 0])
         dg_div_row(&logits[i, 0], total, E)
         for k in range(K):
             best = -1
-            bp = -1.0
+            bp = -2.0
+            p = 0.0
             for e in range(E):
-                if logits[i, e] > bp and not _taken(&indices[i, 0], k, e):
+                key = logits[i, e]
+                if key != key:
+                    key = -1.0      # NaN: below every probability, above "nothing chosen yet"
+                if key > bp and not _taken(&indices[i, 0], k, e):
                     best = e
-                    bp = logits[i, e]
-            indices[i, k] = best
-            weights[i, k] = bp
+                    bp = key
+                    p = logits[i, e]
+            indices[i, k] = best    # always set: K <= E leaves an expert not taken
+            weights[i, k] = p
         psum = 0.0
         for k in range(K):
             psum = psum + weights[i, k]
@@ -711,6 +786,13 @@ def group_by_expert(const int64_t[:, ::1] indices, int64_t[::1] offsets, int64_t
     (ascending within an expert) and position (N, K) the grouped row of each choice.
     """
     cdef Py_ssize_t N = indices.shape[0], K = indices.shape[1], E = offsets.shape[0] - 1, i, k, e
+    if order.shape[0] != N * K or position.shape[0] != N or position.shape[1] != K:
+        raise ValueError(f"group_by_expert: order must have {N * K} entries and position shape ({N}, {K})")
+    for i in range(N):  # validated before any write: an index outside [0, E) would write out of bounds
+        for k in range(K):
+            if indices[i, k] < 0 or indices[i, k] >= E:
+                raise IndexError(f"group_by_expert: expert index {indices[i, k]} of token {i}, slot {k} "
+                                 f"is outside [0, {E})")
     offsets[:] = 0
     for i in range(N):
         for k in range(K):
@@ -729,8 +811,13 @@ def group_by_expert(const int64_t[:, ::1] indices, int64_t[::1] offsets, int64_t
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def gather_rows(const float[:, ::1] src, const int64_t[::1] rows, float[:, ::1] out):
-    """``out[i] = src[rows[i]]``: (N, H), (M,) -> (M, H)."""
+    """``out[i] = src[rows[i]]``: (N, H), (M,) -> (M, H). Raises ``IndexError`` for a row outside [0, N)."""
     cdef Py_ssize_t M = rows.shape[0], H = src.shape[1], i, k
+    if out.shape[0] != M or out.shape[1] != H:
+        raise ValueError(f"gather_rows: out must have shape ({M}, {H})")
+    for i in range(M):
+        if rows[i] < 0 or rows[i] >= src.shape[0]:
+            raise IndexError(f"gather_rows: row {rows[i]} at {i} is outside [0, {src.shape[0]})")
     for i in prange(M, nogil=True, schedule="static", num_threads=_threads(M, H)):
         for k in range(H):
             out[i, k] = src[rows[i], k]
@@ -748,6 +835,14 @@ def combine_experts(const float[:, ::1] expert_out, const int64_t[:, ::1] indice
     """
     cdef Py_ssize_t N = out.shape[0], H = out.shape[1], K = indices.shape[1], i, k, t, j, c
     cdef int64_t prev, e_t, e_j
+    if (indices.shape[0] != N or position.shape[0] != N or weights.shape[0] != N or position.shape[1] != K
+            or weights.shape[1] != K or expert_out.shape[1] != H):
+        raise ValueError("combine_experts: indices/position/weights must be (N, K) and expert_out (M, H)")
+    for i in range(N):  # every grouped row read must exist
+        for k in range(K):
+            if position[i, k] < 0 or position[i, k] >= expert_out.shape[0] or indices[i, k] < 0:
+                raise IndexError(f"combine_experts: token {i}, slot {k} points at grouped row {position[i, k]} "
+                                 f"(expert {indices[i, k]}) outside [0, {expert_out.shape[0]})")
     for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 2 * K * H)):
         for c in range(H):
             out[i, c] = 0.0
@@ -797,6 +892,11 @@ def sample_rows(const float[:, ::1] logits, float[:, ::1] probs, const int64_t[:
     cdef Py_ssize_t R = rows.shape[0], V = logits.shape[1], i, row, tid
     if probs.shape[0] != logits.shape[0] or probs.shape[1] != V:
         raise ValueError("probs must have the shape of logits")
+    if argmax.shape[0] < R or entropy.shape[0] < R or flags.shape[0] < R or (sampled is not None and sampled.shape[0] < R):
+        raise ValueError(f"sample_rows: outputs need {R} entries")
+    for i in range(R):
+        if rows[i] < 0 or rows[i] >= logits.shape[0]:
+            raise IndexError(f"sample_rows: row {rows[i]} at {i} is outside [0, {logits.shape[0]})")
     cdef bint scaled = temperature > 0
     cdef bint draw = uniforms is not None
     if draw and uniforms.shape[0] != R:
