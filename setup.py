@@ -113,7 +113,9 @@ setup(
             "hypothesis>=6.80",
             "torch==2.13.0",
             "transformers==5.24.0",
+            "matplotlib>=3.7",  # tests/test_plot.py draws every figure of `diffusiongemma plot`
         ],
+        "plot": ["matplotlib>=3.7"],  # diffusiongemma plot (pictures of the denoising)
         "gpu": ["cupy-cuda12x>=13"],  # CUDA 12 drivers
         "gpu-cuda13": ["cupy-cuda13x>=14"],  # CUDA 13 drivers
     },

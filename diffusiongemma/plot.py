@@ -225,7 +225,7 @@ def _canvas_ticks(ax, record: DenoisingRecord) -> None:
     C = record.canvas_length
     for k in range(1, len(record.canvases)):
         ax.axhline(k * C - 0.5, color="white", linewidth=1.2)
-    ax.set_yticks([k * C for k in range(len(record.canvases))])
+    ax.set_yticks([(k + 0.5) * C - 0.5 for k in range(len(record.canvases))])
     ax.set_yticklabels([f"canvas {k + 1}" for k in range(len(record.canvases))])
 
 
@@ -246,8 +246,11 @@ def _draw_entropy(ax, record):
 
 
 def _draw_acceptance(ax, record):
-    _heatmap(ax, record, "accepted", "accepted under the entropy bound", "Greys", "accepted (1) / renoised (0)",
-             vmin=0, vmax=1)
+    from matplotlib.colors import ListedColormap
+
+    image = _heatmap(ax, record, "accepted", "accepted under the entropy bound (green) or renoised (grey)",
+                     ListedColormap(["#d9d9d9", "#1a7f37"]), "accepted", vmin=0, vmax=1)
+    image.colorbar.set_ticks([0.25, 0.75], labels=["renoised", "accepted"])
 
 
 def _draw_commit_order(ax, record):
@@ -280,7 +283,11 @@ def _draw_accepted(ax, record):
 
 def _draw_temperature(ax, record):
     temps = record.per_step("temperature")
-    ax.plot(np.arange(len(temps)), temps, marker=".", color="tab:red")
+    start = 0
+    for canvas in record.canvases:  # one line per canvas: the schedule restarts at t_max
+        x = np.arange(start, start + canvas.steps)
+        ax.plot(x, temps[start:start + canvas.steps], marker=".", color="tab:red")
+        start += canvas.steps
     ax.set_ylabel("temperature")
     ax.set_title("temperature schedule" + (" (none: no schedule)" if np.isnan(temps).all() else ""))
     _step_axis(ax, record)
@@ -301,8 +308,8 @@ def figure(record: DenoisingRecord, name: str = "summary"):
         for ax, draw in zip(axes, _DRAWERS.values()):
             draw(ax, record)
         fig.suptitle(f"denoising of {len(record.canvases)} canvas(es) of {record.canvas_length} tokens, "
-                     f"at most {record.max_steps} steps each")
-        fig.tight_layout()
+                     f"at most {record.max_steps} steps each", fontsize=13)
+        fig.tight_layout(rect=(0, 0, 1, 0.98))
         return fig
     if name not in _DRAWERS:
         raise InputError(f"unknown figure {name!r}; known: {', '.join(FIGURES)}")
