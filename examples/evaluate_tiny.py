@@ -1,19 +1,31 @@
-"""Evaluate the tiny KJV DiffusionGemma: held-out losses and a few samples from ``model.generate``.
+"""Evaluate a tiny KJV DiffusionGemma: held-out losses and samples from ``model.generate`` (transformers).
 
-Prints:
+Prints (every number at settings that are the same for every checkpoint, so two models compare):
 
-* held-out objective (prompt = <bos> + first words of a test verse, response = its rest): the training loss pieces (canvas CE with the self-conditioning coin, encoder AR CE)
-  on test-split verses (every 50th verse, never trained on), with draws from a fixed seed;
-* canvas CE at fixed corruption rates t (0.25 / 0.5 / 0.75 / 0.999; 0.999 is almost "from scratch");
-* a unigram baseline: the entropy (nats/token) of the training-split token frequencies, i.e. the CE of
-  a model that knows nothing but how common each token is;
-* samples from ``model.generate`` with the checkpoint's default sampler settings (generation_config.json),
-  their tokens per decoder forward, how many ended with ``<eos>``, and the share of generated words
-  that are real corpus words (any verse, case-insensitive, punctuation stripped).
+* held-out running text (``kjv_chapters_test.txt``: the books Ruth, Jonah, Mark, Philippians, left out
+  of the running-text training; the verse model, which the running-text model starts from, saw 49 of 50
+  of their verses one by one): canvas CE of the training objective (self-conditioning coin,
+  t ~ U(0.001, 1)) on windows drawn as in training (``train_tiny.make_running_batch``: canvas start
+  uniform over tokens, context up to 224 tokens, half of them at most 48), split into real tokens and the
+  <eos> fill after a chapter end, plus the encoder AR CE; canvas CE at fixed t (0.25 / 0.5 / 0.75 / 0.999)
+  and at short (<= 48) and long (>= 128) contexts;
+* held-out verses (``kjv_test.txt``: every 50th verse, never trained on by either shipped model): the
+  verse objective of the first model (prompt = <bos> + first words of a verse, response = its rest);
+  ``tokens`` is the CE on real verse tokens (the <eos> fill is reported apart: a running-text model is
+  not taught to end a verse);
+* held-out verses in context (the cleanest comparison): each verse-test verse scored as the canvas
+  that follows the chapter text before it (up to 224 tokens), CE on the verse's own tokens only;
+* a unigram baseline: the entropy (nats/token) of the training-split token frequencies;
+* samples from ``model.generate`` with one sampler setting for all models (the checkpoint's
+  generation_config.json, with ``max_new_tokens`` forced to ``--max-new-tokens``, 256 by default): per
+  sample the canvases written, the decoder steps per canvas, tokens per decoder forward, whether it
+  ended with <eos>, and over all samples the share of generated words that are real corpus words (any
+  verse, case-insensitive);
+* the default run ``"And God said"`` over ``--seeds`` seeds: how many canvases each writes.
 
 Usage::
 
-    OMP_NUM_THREADS=1 python examples/evaluate_tiny.py --model diffusiongemma/assets/tiny-kjv
+    OMP_NUM_THREADS=1 python examples/evaluate_tiny.py --model diffusiongemma/assets/tiny-kjv --json out.json
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import train_tiny as TT  # noqa: E402  (same folder; importing it has no side effects)
 
+DEFAULT_PROMPT = "And God said"  # the README's first command
 PROMPTS = ["In the beginning God", "And the LORD said unto Moses,", "Blessed are the",
            "The LORD is my shepherd;", "And Jesus answered and said unto them,"]
 WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?")
@@ -98,18 +111,120 @@ def heldout_losses(model, plain, spaced, batches: int, batch_size: int, seed: in
                 ar=float(np.mean(ars)))
 
 
+def heldout_running(model, chapters, batches: int, batch_size: int, seed: int, t_fixed=None,
+                    context=(224, 48, 0.5)) -> dict:
+    """Held-out canvas CE on running-text windows (``make_running_batch`` with ``context`` = (max,
+    short, p_short)): all positions, real tokens, the <eos> fill, and by context length (short: <= 48
+    tokens before the canvas, long: >= 128). Fixed seed, so every checkpoint sees the same windows."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    C, V = model.config.canvas_length, model.config.text_config.vocab_size
+    ces, fills, ctx, ars = [], [], [], []
+    for _ in range(batches):
+        x, valid, P, R = TT.make_running_batch(rng, chapters, batch_size, C, *context)
+        noise = TT.draw_noise(gen, batch_size, C, V)
+        if t_fixed is not None:
+            noise["u_t"].fill_((t_fixed - 1e-3) / (1 - 1e-3))
+        ce, fill, ar = canvas_ce(model, x, valid, P, R, noise)
+        ces.append(ce)
+        fills.append(fill)
+        ctx.append((P - 1)[:, None].expand(-1, C))
+        ars.append(ar)
+    ce, fill, ctx = torch.cat(ces), torch.cat(fills), torch.cat(ctx)
+    tok = ~fill
+    short, long_ = tok & (ctx <= 48), tok & (ctx >= 128)
+    return dict(all=ce.mean().item(), tokens=ce[tok].mean().item(),
+                fill=ce[fill].mean().item() if bool(fill.any()) else float("nan"),
+                short_context=ce[short].mean().item(), long_context=ce[long_].mean().item(),
+                ar=float(np.mean(ars)), positions=int(ce.numel()), fill_positions=int(fill.sum()))
+
+
+def verses_in_context(data_dir: Path, tokenizer, max_context: int = 224) -> list:
+    """Every verse-test verse (index i % 50 == 49, unseen by both shipped models) with the running text
+    before it in its chapter: a list of (context ids, verse ids) int64 arrays, the context cut to its
+    last ``max_context`` tokens. Verses are encoded with a leading space after the first of a chapter,
+    as in the joined chapter text."""
+    sys.path.insert(0, str(HERE))
+    import prepare_data as PD
+
+    rows = [ln.split("\t", 1) for ln in (data_dir / "kjv_verses.tsv").read_text(encoding="utf-8").splitlines()]
+    out, key, ctx = [], None, []
+    for i, (ref, text) in enumerate(rows):
+        book, chap, _ = PD.split_ref(ref)
+        if (book, chap) != key:
+            key, ctx = (book, chap), []
+        ids = tokenizer.encode((" " if ctx else "") + text, add_special_tokens=False).ids
+        if i % PD.TEST_EVERY == PD.TEST_EVERY - 1:
+            out.append((np.asarray(ctx[-max_context:], np.int64), np.asarray(ids, np.int64)))
+        ctx = ctx + ids
+    return out
+
+
+def heldout_verses_in_context(model, items: list, batch_size: int, seed: int) -> dict:
+    """Canvas CE on the tokens of each held-out verse (its first C tokens) when the canvas starts at the
+    verse and the prompt is <bos> + the chapter text before it; positions after the verse are not scored
+    (their targets differ between a verse model and a running-text model). t ~ U(0.001, 1) and the
+    self-conditioning coin from a fixed seed."""
+    gen = torch.Generator().manual_seed(seed)
+    C, V = model.config.canvas_length, model.config.text_config.vocab_size
+    tot, n = 0.0, 0
+    for b0 in range(0, len(items), batch_size):
+        chunk = items[b0:b0 + batch_size]
+        rows = [np.concatenate([[TT.BOS_ID], c, v[:C]]) for c, v in chunk]
+        S = max(len(r) for r in rows)
+        x = torch.full((len(rows), S), TT.PAD_ID, dtype=torch.int64)
+        valid = torch.zeros((len(rows), S), dtype=torch.bool)
+        for b, r in enumerate(rows):
+            x[b, :len(r)] = torch.from_numpy(r)
+            valid[b, :len(r)] = True
+        P = torch.tensor([1 + len(c) for c, _ in chunk])
+        R = torch.tensor([min(len(v), C) for _, v in chunk])
+        noise = TT.draw_noise(gen, len(rows), C, V)
+        ce, fill, _ = canvas_ce(model, x, valid, P, R, noise)
+        tot += ce[~fill].sum().item()
+        n += int((~fill).sum())
+    return dict(tokens=tot / n, positions=n, verses=len(items))
+
+
+class CountingStreamer:
+    """A streamer for ``model.generate`` that counts denoising steps per canvas: transformers calls
+    ``put`` once with the prompt, then once per finished canvas, and ``put_draft`` once per decoder step."""
+
+    def __init__(self):
+        self.steps = []  # decoder steps of each finished canvas
+        self._draft = 0
+        self._seen_prompt = False
+
+    def put_draft(self, value=None, logits=None):
+        self._draft += 1
+
+    def put(self, value):
+        if not self._seen_prompt:
+            self._seen_prompt = True
+            return
+        self.steps.append(self._draft)
+        self._draft = 0
+
+    def end(self):
+        pass
+
+
 @torch.no_grad()
-def sample(model, tokenizer, prompt: str, seed: int):
-    """Generate a continuation of ``prompt`` (with <bos>); return (text, tokens/forward, ended_with_eos)."""
+def sample(model, tokenizer, prompt: str, seed: int, max_new_tokens: int) -> dict:
+    """Generate a continuation of ``prompt`` (with <bos>) under ``torch.manual_seed(seed)`` with the
+    checkpoint's sampler settings and ``max_new_tokens``. Returns dict(text, tokens_per_forward, eos,
+    canvases, steps (per canvas))."""
     ids = torch.tensor([[TT.BOS_ID] + tokenizer.encode(prompt, add_special_tokens=False).ids])
     torch.manual_seed(seed)
-    out = model.generate(ids)
+    streamer = CountingStreamer()
+    out = model.generate(ids, max_new_tokens=max_new_tokens, streamer=streamer)
     new = out.sequences[0, ids.shape[1]:].tolist()
     ended = TT.EOS_ID in new
     if ended:
         new = new[:new.index(TT.EOS_ID)]
     new = [t for t in new if t != TT.PAD_ID]
-    return tokenizer.decode(new), float(out.tokens_per_forward.float().mean()), ended
+    return dict(text=tokenizer.decode(new), tokens_per_forward=float(out.tokens_per_forward.float().mean()),
+                eos=ended, canvases=len(streamer.steps), steps=streamer.steps)
 
 
 def main(argv=None) -> dict:
@@ -117,11 +232,13 @@ def main(argv=None) -> dict:
     from transformers import DiffusionGemmaForBlockDiffusion
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(HERE.parent / "cli" / "assets" / "tiny-kjv"))
+    ap.add_argument("--model", default=str(HERE.parent / "diffusiongemma" / "assets" / "tiny-kjv"))
     ap.add_argument("--data-dir", default=str(HERE / "data"))
-    ap.add_argument("--batches", type=int, default=8)
+    ap.add_argument("--batches", type=int, default=16, help="held-out batches per loss figure")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--samples", type=int, default=6, help="extra prompts taken from test verses")
+    ap.add_argument("--samples", type=int, default=6, help="extra prompts taken from held-out chapters")
+    ap.add_argument("--seeds", type=int, default=10, help="seeds of the default 'And God said' run")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="the same for every checkpoint")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", default="", help="also write the numbers to this file")
     args = ap.parse_args(argv)
@@ -131,46 +248,75 @@ def main(argv=None) -> dict:
     tokenizer = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(args.model, dtype=torch.float32)
     model.eval()
+    C = model.config.canvas_length
+    test_chapters = TT.load_chapters(str(data), "test", tokenizer)
     test_plain, test_spaced = TT.load_verses(str(data), "test", tokenizer)
     train_plain, _ = TT.load_verses(str(data), "train", tokenizer)
 
-    res = {"model": args.model}
+    res = {"model": args.model, "canvas_length": C, "generation_config": model.generation_config.to_dict()}
     res["unigram_entropy"] = unigram_entropy(train_plain, model.config.text_config.vocab_size)
-    h = heldout_losses(model, test_plain, test_spaced, args.batches, args.batch_size, args.seed)
-    res["heldout"] = h
-    print(f"unigram baseline CE       {res['unigram_entropy']:.4f} nats/token")
-    print(f"held-out canvas CE        {h['all']:.4f}   (t ~ U(0.001, 1), self-cond coin; all positions)")
-    print(f"  on real verse tokens    {h['tokens']:.4f}")
-    print(f"  on the EOS fill         {h['fill']:.4f}")
-    print(f"held-out encoder AR CE    {h['ar']:.4f}")
+    print(f"unigram baseline CE          {res['unigram_entropy']:.4f} nats/token")
+    h = heldout_running(model, test_chapters, args.batches, args.batch_size, args.seed)
+    res["running"] = h
+    print(f"held-out running text, canvas CE (t ~ U(0.001, 1), self-cond coin; {h['positions']} positions)")
+    print(f"  all positions              {h['all']:.4f}")
+    print(f"  real tokens                {h['tokens']:.4f}   (context <= 48: {h['short_context']:.4f}, "
+          f">= 128: {h['long_context']:.4f})")
+    print(f"  <eos> fill (chapter end)   {h['fill']:.4f}   ({h['fill_positions']} positions)")
+    print(f"  encoder AR CE              {h['ar']:.4f}")
     for t in (0.25, 0.5, 0.75, 0.999):
-        d = heldout_losses(model, test_plain, test_spaced, args.batches, args.batch_size, args.seed, t)
-        res[f"heldout_t{t}"] = d
-        print(f"held-out canvas CE @ t={t:<5} all {d['all']:.4f}  real tokens {d['tokens']:.4f}")
+        d = heldout_running(model, test_chapters, args.batches, args.batch_size, args.seed, t)
+        res[f"running_t{t}"] = d
+        print(f"  at t={t:<5} real tokens     {d['tokens']:.4f}")
+    v = heldout_losses(model, test_plain, test_spaced, args.batches // 2, args.batch_size, args.seed)
+    res["verses"] = v
+    print(f"held-out verses, canvas CE: real verse tokens {v['tokens']:.4f}, <eos> fill {v['fill']:.4f}, "
+          f"all {v['all']:.4f}, encoder AR {v['ar']:.4f}")
+
+    vc = heldout_verses_in_context(model, verses_in_context(data, tokenizer), args.batch_size, args.seed)
+    res["verses_in_context"] = vc
+    print(f"held-out verses in their chapter context, canvas CE on verse tokens {vc['tokens']:.4f} "
+          f"({vc['verses']} verses, {vc['positions']} positions)")
 
     words = corpus_words(data)
     rng = np.random.default_rng(args.seed)
-    test_lines = (data / "kjv_test.txt").read_text(encoding="utf-8").splitlines()
-    prompts = list(PROMPTS)
-    for i in rng.choice(len(test_lines), size=args.samples, replace=False):
-        prompts.append(" ".join(test_lines[i].split()[:4]))
-    samples, tpf, ended, gen_words = [], [], 0, []
+    prompts = [DEFAULT_PROMPT] + list(PROMPTS)
+    for i in rng.choice(len(test_chapters), size=args.samples, replace=True):
+        ch = test_chapters[i]
+        j = int(rng.integers(0, max(1, len(ch) - 64)))
+        words4 = tokenizer.decode(ch[j:j + 40].tolist()).split()[1:5]  # skip a possibly cut first word
+        prompts.append(" ".join(words4))
+    samples, gen_words = [], []
     for j, p in enumerate(prompts):
-        text, f, e = sample(model, tokenizer, p, args.seed + j)
-        samples.append({"prompt": p, "continuation": text, "tokens_per_forward": f, "eos": e})
-        tpf.append(f)
-        ended += e
-        gen_words += [w.lower() for w in WORD.findall(text)]
-        print(f"\n[{p}] ->{'' if text.startswith(' ') else ' '}{text}{'  <eos>' if e else ''}  "
-              f"(tokens/forward {f:.2f})")
+        s = sample(model, tokenizer, p, args.seed + j, args.max_new_tokens)
+        s["prompt"] = p
+        samples.append(s)
+        gen_words += [w.lower() for w in WORD.findall(s["text"])]
+        t = s["text"]
+        print(f"\n[{p}] ->{'' if t.startswith(' ') else ' '}{t}{'  <eos>' if s['eos'] else ''}\n"
+              f"   ({s['canvases']} canvases, steps {s['steps']}, tokens/forward {s['tokens_per_forward']:.2f})")
     real = float(np.mean([w in words for w in gen_words])) if gen_words else float("nan")
-    res.update(samples=samples, mean_tokens_per_forward=float(np.mean(tpf)), eos_share=ended / len(prompts),
-               real_word_share=real, generated_words=len(gen_words))
-    print(f"\nmean tokens per forward   {res['mean_tokens_per_forward']:.3f}")
-    print(f"samples ending in <eos>   {ended}/{len(prompts)}")
-    print(f"real corpus words         {real:.3f} of {len(gen_words)} generated words")
+    steps = [n for s in samples for n in s["steps"]]
+    res.update(samples=samples, mean_tokens_per_forward=float(np.mean([s["tokens_per_forward"] for s in samples])),
+               mean_steps_per_canvas=float(np.mean(steps)), mean_canvases=float(np.mean([s["canvases"] for s in samples])),
+               eos_share=float(np.mean([s["eos"] for s in samples])), real_word_share=real,
+               generated_words=len(gen_words))
+    print(f"\nmean tokens per forward      {res['mean_tokens_per_forward']:.3f}")
+    print(f"mean steps per canvas        {res['mean_steps_per_canvas']:.2f} (of {model.generation_config.max_denoising_steps})")
+    print(f"mean canvases per sample     {res['mean_canvases']:.2f} (of {args.max_new_tokens // C})")
+    print(f"samples ending in <eos>      {sum(s['eos'] for s in samples)}/{len(samples)}")
+    print(f"real corpus words            {real:.3f} of {len(gen_words)} generated words")
+
+    runs = []
+    for seed in range(args.seeds):
+        s = sample(model, tokenizer, DEFAULT_PROMPT, seed, args.max_new_tokens)
+        runs.append(dict(seed=seed, canvases=s["canvases"], eos=s["eos"], steps=s["steps"],
+                         tokens_per_forward=s["tokens_per_forward"]))
+    res["default_runs"] = runs
+    print(f"'{DEFAULT_PROMPT}', seeds 0..{args.seeds - 1}: canvases {[r['canvases'] for r in runs]}, "
+          f"ended with <eos> {sum(r['eos'] for r in runs)}/{len(runs)}")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
     return res
 
 

@@ -13,6 +13,11 @@ Outputs (all under ``--data-dir``, default ``examples/data``):
 * ``kjv_verses.tsv``: one verse per line, ``<reference>\\t<text>`` (31 102 lines).
 * ``kjv_train.txt`` / ``kjv_test.txt``: verse texts; the test split is every 50th verse
   (verse index i with ``i % 50 == 49``), the train split is the rest.
+* ``kjv_chapters_train.txt`` / ``kjv_chapters_test.txt``: running text, one chapter per line (its
+  verses joined by single spaces, no verse numbers, no end-of-verse marks). The test split is the whole
+  books in ``HELDOUT_BOOKS`` (Ruth, Jonah, Mark, Philippians: 28 chapters, 915 verses, about 3% of the
+  text); the train split is every other chapter *without* the verse-test verses above (so neither split
+  leaks into the other, and the verse test split stays unseen by a model trained on chapters).
 * ``tokenizer.json``: byte-level BPE (``tokenizers``), 4096 ids in total. Ids 0..4 are the Gemma
   special tokens ``<pad> <eos> <bos> <unk> <mask>``; the last three ids (4093..4095) are reserved
   as ``<eoi> <boi> <image>`` so the model's image ids never collide with a text token. ``encode``
@@ -35,6 +40,7 @@ SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]  # Gemma ids 0..4
 IMAGE_SPECIALS = ["<eoi>", "<boi>", "<image>"]  # ids V-3, V-2, V-1 (see hf config in train_tiny.py)
 VOCAB_SIZE = 4096
 TEST_EVERY = 50  # verse i is held out when i % TEST_EVERY == TEST_EVERY - 1
+HELDOUT_BOOKS = ("Ruth", "Jonah", "Mark", "Phi")  # running-text test split (book codes of `bible -f`)
 
 
 def _run(cmd: list[str], cwd: Path) -> None:
@@ -74,6 +80,37 @@ def dump_verses(raw_dir: Path) -> list[tuple[str, str]]:
     if len(verses) != 31102:
         raise RuntimeError(f"expected 31102 KJV verses, got {len(verses)}")
     return verses
+
+
+def split_ref(ref: str) -> tuple[str, int, int]:
+    """``"1Sm3:10"`` -> ``("1Sm", 3, 10)`` (book code, chapter, verse); ValueError on another shape."""
+    import re
+
+    m = re.fullmatch(r"(\d?[A-Za-z]+)(\d+):(\d+)", ref)
+    if m is None:
+        raise ValueError(f"unexpected verse reference {ref!r} in the bible -f output")
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def chapters(verses: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """Running text per chapter: (train chapters, test chapters), each a list of strings.
+
+    Test: every chapter of ``HELDOUT_BOOKS``. Train: every other chapter, its verse-test verses
+    (index i with i % TEST_EVERY == TEST_EVERY - 1) left out.
+    """
+    train, test, cur, key = [], [], [], None
+    for i, (ref, text) in enumerate(verses + [("End0:0", "")]):
+        book, chap, _ = split_ref(ref)
+        if (book, chap) != key:
+            if cur:
+                (test if key[0] in HELDOUT_BOOKS else train).append(" ".join(cur))
+            cur, key = [], (book, chap)
+        if not text or (book not in HELDOUT_BOOKS and i % TEST_EVERY == TEST_EVERY - 1):
+            continue
+        cur.append(text)
+    if len(train) + len(test) != 1189:
+        raise RuntimeError(f"expected 1189 KJV chapters, got {len(train) + len(test)}")
+    return train, test
 
 
 def train_tokenizer(train_texts: list[str], vocab_size: int = VOCAB_SIZE):
@@ -134,11 +171,14 @@ def main(argv: list[str] | None = None) -> None:
     test = [t for i, (_, t) in enumerate(verses) if i % TEST_EVERY == TEST_EVERY - 1]
     _write_atomic(data / "kjv_train.txt", "\n".join(train) + "\n")
     _write_atomic(data / "kjv_test.txt", "\n".join(test) + "\n")
+    ch_train, ch_test = chapters(verses)
+    _write_atomic(data / "kjv_chapters_train.txt", "\n".join(ch_train) + "\n")
+    _write_atomic(data / "kjv_chapters_test.txt", "\n".join(ch_test) + "\n")
     tok = train_tokenizer(train)
     tok.save(str(data / "tokenizer.json"))
     _write_atomic(data / "tokenizer_config.json", json.dumps(TOKENIZER_CONFIG, indent=1) + "\n")
     print(f"{len(train)} train verses, {len(test)} test verses, tokenizer {tok.get_vocab_size()} ids "
-          f"-> {data}")
+          f"-> {data}; running text: {len(ch_train)} train chapters, {len(ch_test)} test chapters")
 
 
 if __name__ == "__main__":

@@ -79,11 +79,15 @@ class TrainConfig:
     """Training knobs (defaults are the shipped run)."""
 
     data_dir: str = str(HERE / "data")  # output of prepare_data.py
-    out: str = str(HERE.parent / "cli" / "assets" / "tiny-kjv")  # checkpoint directory
+    out: str = str(HERE.parent / "diffusiongemma" / "assets" / "tiny-kjv")  # checkpoint directory
     log: str = str(HERE / "train_log.txt")  # loss log (appended every log_every steps)
     batch_size: int = 16  # B
-    max_prev_tokens: int = 48  # the previous verse is cut to its last this-many tokens (prompt context)
-    p_prev: float = 0.5  # probability that the prompt starts with the previous verse
+    data: str = "chapters"  # "chapters": running text (make_running_batch); "verses": one verse + EOS
+    max_context: int = 224  # chapters: most context tokens before the canvas (prompt is <bos> + these)
+    short_context: int = 48  # chapters: with probability p_short the context is at most this long
+    p_short: float = 0.5  # chapters: share of examples with a short context (a short prompt, as at use)
+    max_prev_tokens: int = 48  # verses: the previous verse is cut to its last this-many tokens
+    p_prev: float = 0.5  # verses: probability that the prompt starts with the previous verse
     lr: float = 3e-3  # peak AdamW learning rate
     min_lr_frac: float = 0.1  # cosine decays to lr * min_lr_frac at max_minutes
     warmup_steps: int = 200
@@ -329,13 +333,59 @@ def make_batch(rng: np.random.Generator, plain: list, spaced: list, batch: int,
             torch.tensor(R, dtype=torch.int64))
 
 
+def load_chapters(data_dir: str, split: str, tokenizer) -> list:
+    """Token ids (int64 arrays, no specials) of each chapter of ``split`` ("train"/"test") of the
+    running-text files ``kjv_chapters_{split}.txt`` written by prepare_data.py (one chapter a line)."""
+    path = Path(data_dir) / f"kjv_chapters_{split}.txt"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing: run examples/prepare_data.py first")
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln]
+    return [np.asarray(e.ids, np.int64) for e in tokenizer.encode_batch(lines, add_special_tokens=False)]
+
+
+def make_running_batch(rng: np.random.Generator, chapters: list, batch: int, canvas: int,
+                       max_context: int = 224, short_context: int = 48, p_short: float = 0.5):
+    """Sample ``batch`` windows of running text: the canvas starts at a token j drawn uniformly over all
+    tokens of all chapters; the prompt is <bos> + up to n tokens before j inside the same chapter (n
+    uniform in [0, short_context] with probability p_short, else in [0, max_context]); the response is
+    the next ``canvas`` tokens, fewer at the chapter end, where ``canvas_targets`` fills the rest with
+    <eos>. So <eos> is seen only after the last verse of a chapter, never between verses, and the
+    response is one canvas (n = 1, k = 0: the context plays the part of the earlier canvases).
+    Returns torch tensors (x int64 (B, S), valid bool (B, S), prompt_len int64 (B,), resp_len int64
+    (B,)), right-padded, as ``make_batch``."""
+    lens = np.asarray([len(c) for c in chapters], np.int64)
+    ends = np.cumsum(lens)
+    rows, P, R = [], [], []
+    for _ in range(batch):
+        g = int(rng.integers(0, int(ends[-1])))
+        ci = int(np.searchsorted(ends, g, side="right"))
+        ch = chapters[ci]
+        j = g - int(ends[ci] - lens[ci])
+        hi = short_context if rng.random() < p_short else max_context
+        n = int(rng.integers(0, hi + 1))
+        prompt = np.concatenate([[BOS_ID], ch[max(0, j - n):j]]).astype(np.int64)
+        resp = ch[j:j + canvas]
+        rows.append(np.concatenate([prompt, resp]))
+        P.append(len(prompt))
+        R.append(len(resp))
+    S = max(len(r) for r in rows)
+    x = np.full((batch, S), PAD_ID, np.int64)
+    valid = np.zeros((batch, S), bool)
+    for b, r in enumerate(rows):
+        x[b, :len(r)] = r
+        valid[b, :len(r)] = True
+    return (torch.from_numpy(x), torch.from_numpy(valid), torch.tensor(P, dtype=torch.int64),
+            torch.tensor(R, dtype=torch.int64))
+
+
 # ----------------------------------------------------------------------------------------------------
 # checkpointing
 
 
 def generation_defaults(spec: ModelSpec) -> dict:
-    """Sampler defaults stored in generation_config.json (the class's own sampler, scaled to C=32)."""
-    return dict(max_new_tokens=96, max_denoising_steps=16,
+    """Sampler defaults stored in generation_config.json (the class's own sampler, scaled to C=32):
+    256 new tokens, i.e. 8 canvases of running text unless the model closes the chapter with <eos>."""
+    return dict(max_new_tokens=256, max_denoising_steps=16,
                 sampler_config={"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},
                 t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=0.005,
                 eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=BOS_ID)
@@ -398,7 +448,12 @@ def train(cfg: TrainConfig, spec: ModelSpec) -> None:
     tokenizer = Tokenizer.from_file(str(tok_path))
     if tokenizer.get_vocab_size() != spec.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} ids, model {spec.vocab_size}")
-    plain, spaced = load_verses(cfg.data_dir, "train", tokenizer)
+    if cfg.data == "chapters":
+        chapters = load_chapters(cfg.data_dir, "train", tokenizer)
+    elif cfg.data == "verses":
+        plain, spaced = load_verses(cfg.data_dir, "train", tokenizer)
+    else:
+        raise ValueError(f"--data must be 'chapters' or 'verses', got {cfg.data!r}")
     if cfg.init_from:
         from transformers import DiffusionGemmaForBlockDiffusion
 
@@ -437,7 +492,11 @@ def train(cfg: TrainConfig, spec: ModelSpec) -> None:
         lr = lr_at(cfg, step, elapsed / budget)
         for g in opt.param_groups:
             g["lr"] = lr
-        x, valid, P, R = make_batch(rng, plain, spaced, cfg.batch_size, cfg.max_prev_tokens, cfg.p_prev)
+        if cfg.data == "chapters":
+            x, valid, P, R = make_running_batch(rng, chapters, cfg.batch_size, spec.canvas_length,
+                                                cfg.max_context, cfg.short_context, cfg.p_short)
+        else:
+            x, valid, P, R = make_batch(rng, plain, spaced, cfg.batch_size, cfg.max_prev_tokens, cfg.p_prev)
         noise = draw_noise(gen, cfg.batch_size, spec.canvas_length, spec.vocab_size)
         out = training_forward(model, x, valid, P, R, noise, cfg.eps, cfg.p_self_cond, cfg.w_enc)
         if not torch.isfinite(out["loss"]):
