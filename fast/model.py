@@ -35,7 +35,7 @@ import numpy as np
 
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.errors import ConfigError, InputError
-from diffusiongemma.reference.model import check_attention_mask, check_token_ids
+from diffusiongemma.reference.model import check_attention_mask, check_denoise_inputs, check_token_ids
 from diffusiongemma.reference.observer import NULL_OBSERVER
 from diffusiongemma.reference.primitives import rope_inverse_frequencies
 from diffusiongemma.reference.weights import check_tensors, load_checkpoint
@@ -203,10 +203,13 @@ class Model:
         return CpuBackend(self, draws, batch_size, denoiser=denoiser, observer=observer)
 
     # ------------------------------------------------------------------ input checks (the reference's)
-    def _check_ids(self, name: str, ids: np.ndarray, cache: KVCache) -> np.ndarray:
+    def _check_cache(self, cache: KVCache) -> KVCache:
         if not isinstance(cache, KVCache):
             raise InputError(f"cache must be a KVCache from Model.new_cache, got {type(cache).__name__}")
-        return check_token_ids(name, ids, cache.batch_size, self.config.vocab_size)
+        return cache
+
+    def _check_ids(self, name: str, ids: np.ndarray, cache: KVCache) -> np.ndarray:
+        return check_token_ids(name, ids, self._check_cache(cache).batch_size, self.config.vocab_size)
 
     # ------------------------------------------------------------------ encoder
     def encode(self, input_ids: np.ndarray, cache: KVCache, attention_mask: np.ndarray | None = None) -> np.ndarray:
@@ -255,21 +258,10 @@ class Model:
         SPEC §7; the self-conditioning softmax is computed inside ``out`` (no second (C, V) buffer).
         """
         config = self.config
-        ids = self._check_ids("canvas", canvas, cache)
+        ids, sc, self_conditioning_mask = check_denoise_inputs(
+            config, canvas, self._check_cache(cache).batch_size, self_conditioning_logits, self_conditioning_mask)
         B, C = ids.shape
         V = config.vocab_size
-        if C != config.canvas_length:
-            raise InputError(f"canvas has length {C}, but this model's canvas_length is {config.canvas_length}")
-        sc = None
-        if self_conditioning_logits is not None:
-            sc = np.asarray(self_conditioning_logits)
-            if sc.shape != (B, C, V):
-                raise InputError(f"self_conditioning_logits has shape {sc.shape}, expected {(B, C, V)}")
-            sc = np.ascontiguousarray(sc, dtype=np.float32)
-            if np.isnan(sc).any():
-                raise InputError("self_conditioning_logits contains NaN")
-        if self_conditioning_mask is not None and np.shape(self_conditioning_mask) != (B,):
-            raise InputError(f"self_conditioning_mask has shape {np.shape(self_conditioning_mask)}, expected {(B,)}")
         if out is None:
             out = np.empty((B, C, V), dtype=np.float32)
         elif (not isinstance(out, np.ndarray) or out.shape != (B, C, V) or out.dtype != np.float32

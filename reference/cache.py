@@ -41,7 +41,7 @@ class KVCache:
         """L: tokens encoded so far (padding included); the next token sits at position L."""
         return self.is_real.shape[1]
 
-    def capacity(self, layer: int) -> int | None:
+    def layer_capacity(self, layer: int) -> int | None:
         """Entries a layer retains: ``sliding_window - 1`` for sliding layers, None (unbounded) for full."""
         return self.config.sliding_window - 1 if self.config.is_sliding(layer) else None
 
@@ -56,7 +56,7 @@ class KVCache:
         keys, values: (B, g, T_old + n, d), the full key set the encoder attended over.
         Call ``extend_positions`` once per encode call, after every layer has been retained.
         """
-        cap = self.capacity(layer)
+        cap = self.layer_capacity(layer)
         if cap is not None and keys.shape[2] > cap:
             keys, values = keys[:, :, -cap:], values[:, :, -cap:]
         self.keys[layer], self.values[layer] = keys, values

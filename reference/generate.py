@@ -442,8 +442,7 @@ def check_start_sc_logits(logits: Any, B: int, C: int, V: int) -> np.ndarray | N
     if logits.shape != (B, C, V) or logits.dtype != np.float32:
         raise InputError(f"self_conditioning_logits must be float32 of shape {(B, C, V)}, got {logits.shape} "
                          f"{logits.dtype}")
-    if np.isnan(logits).any():
-        raise InputError("self_conditioning_logits contains NaN")
+    check_logits(logits, "self_conditioning_logits", InputError)  # NaN, +inf, a position with only -inf
     return logits.copy()
 
 

@@ -24,6 +24,7 @@ from .errors import InputError
 from .layers import attend, feed_forward, project_qkv
 from .masks import decoder_visibility, encoder_visibility
 from .observer import NULL_OBSERVER, Observer
+from .sampling import check_logits
 from .primitives import embed, gated_mlp, rms_norm, rope_cos_sin, rope_inverse_frequencies, softcap
 from .weights import check_tensors, load_checkpoint
 
@@ -61,6 +62,40 @@ def check_attention_mask(attention_mask, shape: tuple[int, int]) -> np.ndarray:
     return mask.astype(bool)
 
 
+def check_denoise_inputs(config: ModelConfig, canvas, batch_size: int, self_conditioning_logits=None,
+                         self_conditioning_mask=None) -> tuple[np.ndarray, "np.ndarray | None", "np.ndarray | None"]:
+    """Validate the inputs of a decoder pass once, for every backend's ``denoise``.
+
+    canvas: (B, C) int ids with B = ``batch_size`` (the cache's) and C = ``config.canvas_length``.
+    self_conditioning_logits: (B, C, V) float (host array; a device array is only shape-checked) or None.
+    self_conditioning_mask: (B,) bool or None.
+    Returns (ids (B, C) int64, logits float32 (or the device array as given) or None, mask (B,) bool or None).
+    Raises ``InputError`` naming the argument: wrong canvas length, ids out of range, logits of the wrong
+    shape, holding NaN or +inf or a position with only -inf (named by (row, position)), a mask of the wrong
+    shape.
+    """
+    ids = check_token_ids("canvas", canvas, batch_size, config.vocab_size)
+    B, C = ids.shape
+    if C != config.canvas_length:
+        raise InputError(f"canvas has length {C}, but this model's canvas_length is {config.canvas_length}")
+    sc = self_conditioning_logits
+    if sc is not None:
+        expected = (B, C, config.vocab_size)
+        if not hasattr(sc, "shape"):
+            sc = np.asarray(sc, dtype=np.float32)
+        if tuple(sc.shape) != expected:
+            raise InputError(f"self_conditioning_logits has shape {tuple(sc.shape)}, expected {expected}")
+        if isinstance(sc, np.ndarray):
+            sc = np.ascontiguousarray(sc, dtype=np.float32)
+            check_logits(sc, "self_conditioning_logits", InputError)  # NaN, +inf, a row of only -inf
+    mask = self_conditioning_mask
+    if mask is not None:
+        if np.shape(mask) != (B,):
+            raise InputError(f"self_conditioning_mask has shape {np.shape(mask)}, expected {(B,)}")
+        mask = np.asarray(mask, dtype=bool)
+    return ids, sc, mask
+
+
 class Model:
     """DiffusionGemma text model with NumPy weights.
 
@@ -96,10 +131,13 @@ class Model:
         return KVCache(self.config, int(batch_size))
 
     # ------------------------------------------------------------------ input checks
-    def _check_ids(self, name: str, ids: np.ndarray, cache: KVCache) -> np.ndarray:
+    def _check_cache(self, cache: KVCache) -> KVCache:
         if not isinstance(cache, KVCache):
             raise InputError(f"cache must be a KVCache from Model.new_cache, got {type(cache).__name__}")
-        return check_token_ids(name, ids, cache.batch_size, self.config.vocab_size)
+        return cache
+
+    def _check_ids(self, name: str, ids: np.ndarray, cache: KVCache) -> np.ndarray:
+        return check_token_ids(name, ids, self._check_cache(cache).batch_size, self.config.vocab_size)
 
     # ------------------------------------------------------------------ encoder
     def encode(self, input_ids: np.ndarray, cache: KVCache, attention_mask: np.ndarray | None = None) -> np.ndarray:
@@ -195,19 +233,9 @@ class Model:
         wrong shape or holding NaN, or a cache of another batch size.
         """
         config = self.config
-        ids = self._check_ids("canvas", canvas, cache)
+        ids, self_conditioning_logits, self_conditioning_mask = check_denoise_inputs(
+            config, canvas, self._check_cache(cache).batch_size, self_conditioning_logits, self_conditioning_mask)
         B, C = ids.shape
-        if C != config.canvas_length:
-            raise InputError(f"canvas has length {C}, but this model's canvas_length is {config.canvas_length}")
-        if self_conditioning_logits is not None:
-            sc = np.asarray(self_conditioning_logits, dtype=np.float32)
-            if sc.shape != (B, C, config.vocab_size):
-                raise InputError(f"self_conditioning_logits has shape {sc.shape}, expected {(B, C, config.vocab_size)}")
-            if np.isnan(sc).any():
-                raise InputError("self_conditioning_logits contains NaN")
-            self_conditioning_logits = sc
-        if self_conditioning_mask is not None and np.shape(self_conditioning_mask) != (B,):
-            raise InputError(f"self_conditioning_mask has shape {np.shape(self_conditioning_mask)}, expected {(B,)}")
         positions = cache.length + np.arange(C, dtype=np.int64)
         tables = {kind: rope_cos_sin(np.broadcast_to(positions, (B, C)), omega) for kind, omega in self._omega.items()}
         h = self.canvas_input(ids, self_conditioning_logits, self_conditioning_mask)

@@ -107,12 +107,13 @@ def scale_logits(logits: np.ndarray, temp: np.float32 | None) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------- distributions
-def check_logits(logits: np.ndarray, what: str = "logits") -> None:
+def check_logits(logits: np.ndarray, what: str = "logits", error: type = SamplingError) -> None:
     """Refuse logits that cannot define a distribution, so that NaN never becomes a token.
 
     logits: (B, C, V) float. Allowed: finite values and ``-inf`` (an excluded id). Raises
     ``SamplingError`` (``bad_logits_error``) naming the first offending (row, position) for NaN, ``+inf``, or
-    a position whose logits are all ``-inf``. ``what`` names the array in the message.
+    a position whose logits are all ``-inf``. ``what`` names the array in the message; ``error`` is the
+    class raised (``InputError`` for a caller's self-conditioning input).
     """
     z = np.asarray(logits)
     if np.isfinite(z).all():
@@ -121,7 +122,7 @@ def check_logits(logits: np.ndarray, what: str = "logits") -> None:
                         (np.isposinf(z).any(axis=-1), "+inf"),
                         (np.isneginf(z).all(axis=-1), "no finite value (all -inf)")):
         if bad.any():
-            raise bad_logits_error(what, tuple(int(i) for i in np.argwhere(bad)[0]), reason)
+            raise bad_logits_error(what, tuple(int(i) for i in np.argwhere(bad)[0]), reason, error)
 
 
 def bad_logits_error(what: str, where: tuple, reason: str, error: type = SamplingError) -> Exception:

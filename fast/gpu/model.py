@@ -37,7 +37,7 @@ import numpy as np
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.errors import InputError
 from diffusiongemma.reference.generate import ReferenceBackend, generate
-from diffusiongemma.reference.model import check_attention_mask, check_token_ids
+from diffusiongemma.reference.model import check_attention_mask, check_denoise_inputs, check_token_ids
 from diffusiongemma.reference.observer import NULL_OBSERVER
 from diffusiongemma.reference.primitives import rope_inverse_frequencies, softcap
 from diffusiongemma.reference.weights import check_tensors, load_checkpoint
@@ -136,10 +136,13 @@ class Model:
             return GpuKVCache(self.config, batch_size, self.device)
 
     # ------------------------------------------------------------------ checks
-    def _check_ids(self, name: str, ids: Any, cache: Any) -> np.ndarray:
+    def _check_cache(self, cache: Any) -> GpuKVCache:
         if not isinstance(cache, GpuKVCache):
             raise InputError(f"cache must be a GpuKVCache from Model.new_cache, got {type(cache).__name__}")
-        return check_token_ids(name, ids, cache.batch_size, self.config.vocab_size)
+        return cache
+
+    def _check_ids(self, name: str, ids: Any, cache: Any) -> np.ndarray:
+        return check_token_ids(name, ids, self._check_cache(cache).batch_size, self.config.vocab_size)
 
     # ------------------------------------------------------------------ encoder
     def encode(self, input_ids: Any, cache: GpuKVCache, attention_mask: Any = None) -> np.ndarray:
@@ -196,27 +199,15 @@ class Model:
         Raises ``InputError`` like ``reference.model.Model.denoise``.
         """
         config, dev = self.config, self.device
-        ids = self._check_ids("canvas", canvas, cache)
+        ids, sc_in, mask = check_denoise_inputs(config, canvas, self._check_cache(cache).batch_size,
+                                                self_conditioning_logits, self_conditioning_mask)
         B, C = ids.shape
         V = config.vocab_size
-        if C != config.canvas_length:
-            raise InputError(f"canvas has length {C}, but this model's canvas_length is {config.canvas_length}")
-        mask = None
-        if self_conditioning_mask is not None:
-            if np.shape(self_conditioning_mask) != (B,):
-                raise InputError(f"self_conditioning_mask has shape {np.shape(self_conditioning_mask)}, expected {(B,)}")
-            mask = np.asarray(self_conditioning_mask, dtype=bool)
         with dev.context():
             buffer = dev.empty((B, C, V), np.float32)  # SC probabilities in, logits out
             has_sc = False
-            if self_conditioning_logits is not None:
-                if not hasattr(self_conditioning_logits, "shape"):
-                    self_conditioning_logits = np.asarray(self_conditioning_logits, dtype=np.float32)
-                if tuple(self_conditioning_logits.shape) != (B, C, V):
-                    raise InputError(f"self_conditioning_logits has shape {tuple(self_conditioning_logits.shape)}, "
-                                     f"expected {(B, C, V)}")
-                sc = self_conditioning_logits
-                buffer[...] = sc if not isinstance(sc, np.ndarray) else dev.to_device(sc.astype(np.float32))
+            if sc_in is not None:
+                buffer[...] = dev.to_device(sc_in) if isinstance(sc_in, np.ndarray) else sc_in
                 self._softmax_in_place(buffer, np.arange(B), "self_conditioning_logits")
                 has_sc = True
             rows = np.arange(B)
