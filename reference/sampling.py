@@ -403,13 +403,17 @@ def tokens_per_forward(new_tokens: np.ndarray, forward_passes: np.ndarray, pad_t
 
     Tokens equal to the pad id are not counted (a real token with that id is excluded too; trap T24);
     without a pad id every generated position counts. ``forward_passes`` counts, per row, the decoder
-    passes made while that row was neither finished denoising nor a finished sequence. float32 division,
-    as torch's integer true division.
+    passes made while that row was neither finished denoising nor a finished sequence.
+    The float32 arithmetic is upstream's, bit for bit: with a pad id, ``count_tensor / passes_tensor``
+    (float32 true division); without one the count is a Python int, and ``int / tensor`` is torch's
+    ``__rtruediv__``, i.e. ``passes.reciprocal() * count``: a float32 reciprocal, then a float32 product,
+    which differs from the quotient in the last bit for some counts (17 / 3, 48 / 7, ...).
     Upstream: ``_compute_tokens_per_forward``.
     """
     new_tokens = np.asarray(new_tokens)
-    if pad_token_id is None:
-        valid = np.full(new_tokens.shape[0], new_tokens.shape[1], dtype=np.int64)
-    else:
+    passes = np.asarray(forward_passes).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a row with no pass: inf / nan, as torch
+        if pad_token_id is None:
+            return (np.float32(1.0) / passes) * np.float32(new_tokens.shape[1])
         valid = (new_tokens != pad_token_id).sum(axis=-1)
-    return valid.astype(np.float32) / np.asarray(forward_passes).astype(np.float32)
+        return valid.astype(np.float32) / passes
