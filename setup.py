@@ -106,6 +106,7 @@ setup(
         "tqdm>=4.60",
         "jinja2>=3.0",
         "threadpoolctl>=3.1",
+        "gguf>=0.17",  # reading llama.cpp GGUF checkpoints (weights_converter/gguf.py)
     ],
     extras_require={
         "test": [

@@ -94,10 +94,18 @@ class TextSide:
 def load_text_side(path: str) -> TextSide:
     """Tokenizer (``tokenizer.json``, via the ``tokenizers`` library) and chat template of ``path``.
 
-    Raises ``CheckpointError`` when ``tokenizer.json`` is missing or unreadable.
+    Raises ``CheckpointError`` when ``tokenizer.json`` is missing or unreadable. For a ``.gguf`` file, the
+    ``tokenizer.json`` beside it is used when there is one, else the GGUF's own ``tokenizer.ggml.*`` metadata.
     """
     from tokenizers import Tokenizer
 
+    if os.path.isfile(path):  # a GGUF file
+        beside = os.path.dirname(os.path.abspath(path))
+        if not os.path.isfile(os.path.join(beside, "tokenizer.json")):
+            from diffusiongemma.weights_converter.gguf import gguf_text_side
+
+            return gguf_text_side(path)
+        path = beside
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
         raise CheckpointError(f"{path!r} has no tokenizer.json; the command line needs one to turn text into ids")

@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diffusiongemma-convert",
         description="Convert a transformers DiffusionGemma checkpoint directory (config.json + "
-                    "safetensors) into the diffusiongemma format.")
-    parser.add_argument("src", metavar="SRC", help="transformers checkpoint directory")
+                    "safetensors), or a llama.cpp GGUF file (architecture diffusion-gemma, any type the gguf "
+                    "package dequantizes), into the diffusiongemma format.")
+    parser.add_argument("src", metavar="SRC", help="transformers checkpoint directory or .gguf file")
     parser.add_argument("dst", metavar="DST", help="output directory (must not exist unless --force)")
     parser.add_argument("--dtype", choices=STORAGE_DTYPES, default="float32",
                         help="storage dtype of the output (default: float32; bfloat16 rounds to nearest even "

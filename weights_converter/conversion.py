@@ -213,7 +213,7 @@ def _human(n: int) -> str:
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32",
             shard_size: int = DEFAULT_SHARD_SIZE, *, force: bool = False,
             progress: bool = True) -> ConversionSummary:
-    """Convert the transformers checkpoint directory ``src`` into a new directory ``dst``.
+    """Convert the transformers checkpoint directory ``src`` (or a ``.gguf`` file, see ``gguf.py``) into ``dst``.
 
     ``dtype`` is the storage dtype ("float32" or "bfloat16", see ``writer.to_storage``);
     ``shard_size`` bounds the tensor bytes per output file; ``force`` allows replacing an existing
@@ -228,6 +228,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     ``ConfigError`` (bad ``config.json``) or ``CheckpointError`` (bad, missing, unknown or
     misshapen tensors, differing tied copies, NaN/inf weights, unreadable files).
     """
+    if os.path.isfile(src) and os.fspath(src).lower().endswith(".gguf"):  # a llama.cpp file: gguf.py
+        from .gguf import convert_gguf
+
+        return convert_gguf(src, dst, dtype, shard_size, force=force, progress=progress)
     if dtype not in STORAGE_DTYPES:
         raise InputError(f"dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size <= 0:
