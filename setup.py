@@ -80,6 +80,48 @@ def _extensions():
                                           "cdivision": True, "initializedcheck": False})
 
 
+# ---------------------------------------------------------------------------------------------------------
+# cuda-sim: the CPU executor of the CUDA kernels (fast/gpu/sim/). Two plain shared libraries, loaded with
+# ctypes by fast/gpu/sim.py (never imported as Python modules): the executor (_sim_runtime), and the kernel
+# sources of fast/gpu/cuda compiled with cuda_sim.h (_sim_kernels; -fsanitize=thread at compile time only:
+# the executor answers its per-access calls, its run-time library is never linked). The kernel unit is
+# generated into build/ by fast/gpu/sim/codegen.py; a stale build is detected by hash at load time and
+# rebuilt at run time, so editing a .cu never runs old code. DIFFUSIONGEMMA_NO_CUDA_SIM=1 skips both.
+def _sim_extensions():
+    if os.environ.get("DIFFUSIONGEMMA_NO_CUDA_SIM") or sys.platform != "linux":
+        return []
+    import hashlib
+    import importlib.util
+
+    from setuptools import Extension
+
+    def load(name, path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+
+    codegen = load("dg_sim_codegen", os.path.join("fast", "gpu", "sim", "codegen.py"))
+    launch = load("dg_sim_launch", os.path.join("fast", "gpu", "launch.py"))
+    os.makedirs(os.path.join("build", "dg_sim"), exist_ok=True)
+    unit = os.path.join("build", "dg_sim", "kernels_sim.cpp")
+    text = codegen.directory_unit(os.path.join("fast", "gpu", "cuda"), launch.signatures(os.path.join("fast", "gpu", "cuda")))
+    if not os.path.exists(unit) or open(unit, encoding="utf-8").read() != text:
+        with open(unit, "w", encoding="utf-8") as f:
+            f.write(text)
+    with open(codegen.RUNTIME, "rb") as f:
+        runtime_hash = hashlib.sha256(f.read()).hexdigest()[:16]
+    return [
+        Extension("diffusiongemma.fast.gpu._sim_runtime", [codegen.RUNTIME], language="c++",
+                  extra_compile_args=list(codegen.RUNTIME_FLAGS),
+                  define_macros=[("DG_SIM_RUNTIME_HASH", f'"{runtime_hash}"')]),
+        Extension("diffusiongemma.fast.gpu._sim_kernels", [unit], language="c++",
+                  extra_compile_args=list(codegen.KERNEL_FLAGS)),
+    ]
+# ---------------------------------------------------------------------------------------------------------
+
+
 setup(
     name="diffusiongemma",
     version="0.1.0",
@@ -93,10 +135,10 @@ setup(
     packages=list(PACKAGE_DIRS),
     package_data={
         "diffusiongemma.fast": ["*.pyx", "*.pxd"],
-        "diffusiongemma.fast.gpu": ["cuda/*.cu", "cuda/*.cuh"],
+        "diffusiongemma.fast.gpu": ["cuda/*.cu", "cuda/*.cuh", "sim/*.h", "sim/*.cpp", "sim/*.py"],
         "diffusiongemma": ["assets/*", "assets/*/*"],
     },
-    ext_modules=_extensions(),
+    ext_modules=_extensions() + _sim_extensions(),
     cmdclass={"build_ext": build_ext},
     install_requires=[
         "numpy>=1.26",
