@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import InputError
+
 
 def encoder_visibility(query_positions: np.ndarray, key_positions: np.ndarray, key_is_real: np.ndarray,
                        sliding_window: int | None) -> np.ndarray:
@@ -45,3 +47,42 @@ def decoder_visibility(cache_key_is_real: np.ndarray, canvas_length: int) -> np.
     batch = cache_key_is_real.shape[0]
     canvas = np.ones((batch, canvas_length), dtype=bool)
     return np.concatenate([cache_key_is_real, canvas], axis=1)[:, None, :]
+
+
+def cache_retains(key_positions: np.ndarray, context_length: np.ndarray, sliding_window: int | None) -> np.ndarray:
+    """Which of the first ``context_length`` positions a layer's KV cache still holds when a canvas starts.
+
+    key_positions: (S,) int; context_length: (B,) int L (tokens encoded before the canvas);
+    sliding_window: W for a sliding layer (it keeps the last W - 1 positions, trap T5), None for a full
+    layer (it keeps all L). Returns (B, S) bool.
+    """
+    k, L = np.asarray(key_positions)[None, :], np.asarray(context_length)[:, None]
+    kept = k < L
+    if sliding_window is not None:
+        kept &= k >= L - (sliding_window - 1)
+    return kept
+
+
+def training_decoder_visibility(context_length: np.ndarray, key_is_real: np.ndarray, canvas_length: int,
+                                sliding_window: int) -> dict[str, np.ndarray]:
+    """The decoder's visibility in training, where the clean prefix and the canvas sit in one sequence.
+
+    context_length: (B,) int L = P + kC; key_is_real: (B, S) bool keep-mask of the encoder sequence;
+    canvas_length: C; sliding_window: W. Returns {"full_attention": (B, S + C), "sliding_attention":
+    (B, S + C)} bool, one row per example shared by its canvas queries: exactly what ``decoder_visibility``
+    gives at inference over the entries the cache retains after encoding the L-token prefix
+    (``cache_retains``), so training and inference see the same keys (TRAINING.md §2.3).
+    """
+    key_is_real = np.asarray(key_is_real) != 0
+    if key_is_real.ndim != 2:
+        raise InputError(f"key_is_real must be 2-D (B, S), got shape {key_is_real.shape}")
+    B, S = key_is_real.shape
+    L = np.asarray(context_length)
+    if L.shape != (B,) or not np.issubdtype(L.dtype, np.integer) or np.any((L < 0) | (L > S)):
+        raise InputError(f"context_length must be {B} integers in [0, {S}], got {L.tolist()}")
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)) or sliding_window < 1:
+        raise InputError(f"sliding_window must be an integer >= 1, got {sliding_window!r}")
+    positions = np.arange(S)
+    return {kind: decoder_visibility(key_is_real & cache_retains(positions, L, window),
+                                     canvas_length)[:, 0, :]
+            for kind, window in (("full_attention", None), ("sliding_attention", sliding_window))}

@@ -6,7 +6,8 @@ canonical objective down as small pure functions (TRAINING.md §9). It follows T
 
 * one canvas of C response tokens is chosen per example, uniformly (``select_canvas``);
 * its target is those response tokens, with ``<eos>`` filling the tail of the last canvas
-  (``canvas_targets``); the decoder sees the clean L = P + kC tokens before it (``decoder_visibility``);
+  (``canvas_targets``); the decoder sees the clean L = P + kC tokens before it
+  (``masks.training_decoder_visibility``);
 * one time t = eps + (1 - eps) u per example (``time_from_uniform``, eps = 1e-3, TRL/NeMo);
 * every canvas position is independently replaced by a uniformly drawn id with probability t, with no
   mask token (``corrupt``);
@@ -14,9 +15,9 @@ canonical objective down as small pure functions (TRAINING.md §9). It follows T
 * the diffusion loss is the plain mean cross-entropy over every canvas position (``diffusion_loss``),
   plus the encoder's next-token co-loss (``ar_loss``), summed with weight 1 (``total_loss``).
 
-Random draws are explicit inputs (``NoiseDraws``). ``TorchCPUGenerator`` reproduces, without torch, the
-draws a seeded CPU ``torch.Generator`` makes, so a NumPy run and a PyTorch training step (see
-``examples/train_tiny.py``) can consume identical randomness (TRAINING.md §8.2).
+Random draws are explicit inputs (``NoiseDraws``). Reproducing the draws of a seeded CPU
+``torch.Generator`` without torch (so that a NumPy run and a PyTorch training step consume identical
+randomness, TRAINING.md §8.2) is an oracle's concern, not the objective's: ``diffusiongemma.torch_replay``.
 
 Conventions: batch size B, canvas length C, vocabulary V, encoder sequence length S. Token arrays are
 int64, uniforms float32 in [0, 1), logits float32 (soft-capped, as the HF forward returns them).
@@ -32,9 +33,9 @@ import numpy as np
 from .errors import InputError
 
 __all__ = [
-    "EPS", "P_SELF_COND", "NoiseDraws", "NoisedBatch", "TorchCPUGenerator",
+    "EPS", "P_SELF_COND", "NoiseDraws", "NoisedBatch",
     "num_canvases", "select_canvas", "canvas_targets", "time_from_uniform", "corrupt",
-    "self_conditioning_coin", "decoder_visibility", "encoder_input", "noise_batch",
+    "self_conditioning_coin", "encoder_input", "noise_batch",
     "cross_entropy", "diffusion_loss", "ar_loss", "total_loss",
 ]
 
@@ -79,61 +80,6 @@ class NoiseDraws:
                 raise InputError(f"{name} must lie in [0, 1), got values outside: {u[~((u >= 0) & (u < 1))]}")
         if np.any(np.asarray(self.r) < 0):
             raise InputError(f"r holds negative ids: {np.asarray(self.r)[np.asarray(self.r) < 0]}")
-
-
-class TorchCPUGenerator:
-    """Replays the draws of ``torch.Generator().manual_seed(seed)`` (CPU) in NumPy.
-
-    torch's CPU generator is MT19937 seeded with the reference ``init_genrand(seed)``; for the draws used
-    here every element consumes one 32-bit output w, in row-major order (TRAINING.md §8.2, checked
-    against torch 2.13):
-
-    * ``rand``: float32((w & 0xFFFFFF) * 2**-24), i.e. 24 random bits, values in [0, 1 - 2**-24];
-    * ``randint(high)``: w mod high for 1 <= high < 2**28; for 2**28 <= high < 2**32 torch draws 64 bits
-      per element from two outputs (w_first << 32 | w_second) and takes that mod high.
-
-    Not valid for CUDA generators (Philox) or for other torch distributions.
-    seed: int in [0, 2**32). Raises InputError otherwise.
-    """
-
-    def __init__(self, seed: int):
-        if not (isinstance(seed, (int, np.integer)) and 0 <= int(seed) < 2**32):
-            raise InputError(f"seed must be an int in [0, 2**32), got {seed!r}")
-        legacy = np.random.RandomState(int(seed))  # init_genrand(seed), the same seeding as torch
-        self._bits = np.random.MT19937()
-        self._bits.state = legacy.get_state(legacy=False)
-
-    def _raw(self, shape: tuple) -> np.ndarray:
-        """``prod(shape)`` raw 32-bit outputs as uint64, reshaped to ``shape``."""
-        n = int(np.prod(shape, dtype=np.int64))
-        return self._bits.random_raw(n).reshape(shape)
-
-    def rand(self, *shape: int) -> np.ndarray:
-        """Like ``torch.rand(*shape, generator=g)``: float32 array of ``shape`` in [0, 1)."""
-        return ((self._raw(shape) & 0xFFFFFF).astype(np.float64) * 2.0**-24).astype(np.float32)
-
-    def randint(self, high: int, shape: tuple) -> np.ndarray:
-        """Like ``torch.randint(high, shape, generator=g)``: int64 array in [0, high)."""
-        if not (isinstance(high, (int, np.integer)) and 1 <= int(high) < 2**32):
-            raise InputError(f"randint high must be an int in [1, 2**32), got {high!r}")
-        shape = tuple(shape)
-        if high < 2**28:  # one 32-bit output per element
-            return (self._raw(shape) % np.uint64(high)).astype(np.int64)
-        w = self._raw(shape + (2,))  # torch takes a 64-bit draw: first output is the high word
-        return (((w[..., 0] << np.uint64(32)) | w[..., 1]) % np.uint64(high)).astype(np.int64)
-
-    def training_draws(self, batch: int, canvas: int, vocab: int) -> NoiseDraws:
-        """One step's draws in TRL's order: rand(B), rand(B, 1), rand(B, C), randint(V, (B, C)),
-        rand(B). Matches ``examples/train_tiny.draw_noise`` on a torch generator of the same seed."""
-        for name, v in (("batch", batch), ("canvas", canvas), ("vocab", vocab)):
-            if not (isinstance(v, (int, np.integer)) and v >= 1):
-                raise InputError(f"{name} must be a positive int, got {v!r}")
-        u_blk = self.rand(batch)
-        u_t = self.rand(batch, 1)
-        u_cor = self.rand(batch, canvas)
-        r = self.randint(vocab, (batch, canvas))
-        u_sc = self.rand(batch)
-        return NoiseDraws(u_blk=u_blk, u_t=u_t, u_cor=u_cor, r=r, u_sc=u_sc)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -205,34 +151,6 @@ def canvas_targets(x, prompt_len, resp_len, k, canvas: int, eos_id: int = 1) -> 
     inside = off < R[:, None]
     col = np.where(inside, P[:, None] + off, 0)  # (B, C) columns of x (0 where filled)
     return np.where(inside, np.take_along_axis(x, col, axis=1), eos_id).astype(np.int64)
-
-
-def decoder_visibility(context_len, valid, canvas: int, window: int) -> dict:
-    """Which keys each canvas query of the training decoder sees (TRAINING.md §2.3).
-
-    context_len: int (B,) L = P + kC; valid: (B, S) keep-mask of the encoder input; canvas: C;
-    window: W (``sliding_window``). Returns {"full_attention": bool (B, S + C),
-    "sliding_attention": bool (B, S + C)}, the same for every query of a canvas:
-    full layers see encoder key i iff i < L and valid; sliding layers additionally need
-    i >= L - (W - 1) (the last W - 1 clean tokens before the canvas, block-anchored, as the inference
-    cache holds them); the C canvas keys are always visible. This is the geometry of encoding the
-    L-token prefix and then decoding, i.e. NeMo's explicit mask and TRL's cut done right.
-    """
-    valid = np.asarray(valid) != 0
-    if valid.ndim != 2:
-        raise InputError(f"valid must be 2-D (B, S), got shape {valid.shape}")
-    B, S = valid.shape
-    L = _int_vector("context_len", context_len, B)
-    if window < 1:
-        raise InputError(f"window must be >= 1, got {window}")
-    if np.any((L < 0) | (L > S)):
-        raise InputError(f"context_len must lie in [0, {S}], got {L.tolist()}")
-    i = np.arange(S)[None, :]
-    full = (i < L[:, None]) & valid
-    slide = full & (i >= L[:, None] - (window - 1))
-    ones = np.ones((B, canvas), bool)
-    return {"full_attention": np.concatenate([full, ones], 1),
-            "sliding_attention": np.concatenate([slide, ones], 1)}
 
 
 def encoder_input(x, prompt_len, resp_len, canvas: int, eos_id: int = 1, append_fill: bool = False):

@@ -23,6 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diffusiongemma.reference import noising as N
+from diffusiongemma.reference.masks import training_decoder_visibility
+from diffusiongemma.torch_replay import TorchCPUGenerator
 from diffusiongemma.reference.errors import InputError
 
 torch = pytest.importorskip("torch")
@@ -80,7 +82,7 @@ def test_worked_example_layout_and_noise():
     assert nb.noisy.tolist() == [[4, 3, 1, 1], [4, 4, 6, 5]]
     assert nb.self_cond.tolist() == [True, False]
     assert nb.positions.tolist() == [[7, 8, 9, 10], [2, 3, 4, 5]]
-    vis = N.decoder_visibility(nb.context_len, VALID, C, window=64)
+    vis = training_decoder_visibility(nb.context_len, VALID, C, 64)
     enc_full = vis["full_attention"][:, :9]
     assert np.flatnonzero(enc_full[0]).tolist() == list(range(7))
     assert np.flatnonzero(enc_full[1]).tolist() == [0, 1]
@@ -116,7 +118,7 @@ def test_worked_example_losses():
 def test_worked_example_seeded_vector_against_torch():
     g = torch.Generator().manual_seed(1234)
     tdraw = TT.draw_noise(g, 2, C, V)
-    draws = N.TorchCPUGenerator(1234).training_draws(2, C, V)
+    draws = TorchCPUGenerator(1234).training_draws(2, C, V)
     for name in ("u_blk", "u_t", "u_cor", "r", "u_sc"):
         np.testing.assert_array_equal(getattr(draws, name), tdraw[name].numpy(), err_msg=name)
     # and the numbers printed in TRAINING.md §10
@@ -139,7 +141,7 @@ def test_worked_example_seeded_vector_against_torch():
 @pytest.mark.parametrize("seed", [0, 1, 7, 42, 12345, 2**32 - 1])
 def test_generator_replay_matches_torch(seed):
     g = torch.Generator().manual_seed(seed)
-    ours = N.TorchCPUGenerator(seed)
+    ours = TorchCPUGenerator(seed)
     for shape, high in (((3,), None), ((5, 7), 262144), ((2, 1), None), ((4, 33), 4096), ((1000,), None),
                         ((6,), 3), ((9,), 2**28 - 1), ((9,), 2**28), ((17, 3), 2**31 + 11),
                         ((4,), 2**32 - 1)):
@@ -152,13 +154,13 @@ def test_generator_replay_matches_torch(seed):
 
 def test_generator_rejects_bad_arguments():
     with pytest.raises(InputError, match="seed"):
-        N.TorchCPUGenerator(-1)
+        TorchCPUGenerator(-1)
     with pytest.raises(InputError, match="seed"):
-        N.TorchCPUGenerator(2**32)
+        TorchCPUGenerator(2**32)
     with pytest.raises(InputError, match="high"):
-        N.TorchCPUGenerator(0).randint(0, (2,))
+        TorchCPUGenerator(0).randint(0, (2,))
     with pytest.raises(InputError, match="vocab"):
-        N.TorchCPUGenerator(0).training_draws(2, 4, 0)
+        TorchCPUGenerator(0).training_draws(2, 4, 0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -185,20 +187,27 @@ def test_select_canvas_uniform_on_a_grid():
 @settings(max_examples=25, deadline=None)
 @given(t=st.floats(0.001, 0.999), seed=st.integers(0, 2**32 - 1))
 def test_corruption_rate_follows_t(t, seed):
-    rng = N.TorchCPUGenerator(seed)
+    rng = TorchCPUGenerator(seed)
     B, Cn, Vn = 4, 4096, 50
     y = rng.randint(Vn, (B, Cn))
     u = rng.rand(B, Cn)
     r = rng.randint(Vn, (B, Cn))
     tt = np.full((B, 1), t, np.float32)
     noisy, cor = N.corrupt(y, tt, u, r)
+    # Each position is an independent Bernoulli trial, so a rate over n positions has standard deviation
+    # sqrt(p (1 - p) / n) around its probability p; 6 of them bound a false failure at ~2e-9 per draw.
+    # The probability of "corrupted" is P(u < t) for u on torch's 2**-24 grid: ceil(t * 2**24) / 2**24.
+    # A position *changes* only when corrupted and the replacement differs from the target: p = P * (1 - 1/V),
+    # a different p with its own (larger, near t = 1) standard deviation.
+    n = cor.size
+    p_cor = math.ceil(float(np.float32(t)) * 2**24) / 2**24
+    p_change = p_cor * (1 - 1 / Vn)
     rate = cor.mean()
-    sd = math.sqrt(t * (1 - t) / cor.size)
-    assert abs(rate - t) < 6 * sd + 1e-4
+    assert abs(rate - p_cor) < 6 * math.sqrt(p_cor * (1 - p_cor) / n)
     assert np.array_equal(noisy[~cor], y[~cor])  # uncorrupted positions keep the target
     assert np.array_equal(noisy[cor], r[cor])  # corrupted ones hold the draw, even when equal to y
     changed = (noisy != y).mean()
-    assert abs(changed - t * (1 - 1 / Vn)) < 6 * sd + 1e-4
+    assert abs(changed - p_change) < 6 * math.sqrt(p_change * (1 - p_change) / n)
 
 
 @settings(max_examples=25, deadline=None)
@@ -249,7 +258,7 @@ def test_encoder_input_fill_option():
 
 def test_sliding_visibility_is_block_anchored():
     valid = np.ones((1, 20), bool)
-    vis = N.decoder_visibility(np.array([13]), valid, canvas=4, window=8)
+    vis = training_decoder_visibility(np.array([13]), valid, 4, 8)
     assert np.flatnonzero(vis["sliding_attention"][0, :20]).tolist() == list(range(6, 13))
     assert np.flatnonzero(vis["full_attention"][0, :20]).tolist() == list(range(13))
     assert vis["sliding_attention"][0, 20:].all()
@@ -289,7 +298,7 @@ def test_train_script_noising_matches_reference(seed):
     valid = np.arange(S)[None, :] < (Pl + R)[:, None]
     x = np.where(valid, x, 0)
     td = TT.draw_noise(torch.Generator().manual_seed(seed), B, Cn, Vn)
-    draws = N.TorchCPUGenerator(seed).training_draws(B, Cn, Vn)
+    draws = TorchCPUGenerator(seed).training_draws(B, Cn, Vn)
     nb = N.noise_batch(x, Pl, R, draws, Vn)
     Rt, Pt, xt = torch.from_numpy(R), torch.from_numpy(Pl), torch.from_numpy(x)
     k = TT.select_canvas(td["u_blk"], TT.num_canvases(Rt, Cn))
@@ -302,7 +311,7 @@ def test_train_script_noising_matches_reference(seed):
     assert noisy.tolist() == nb.noisy.tolist() and cor.tolist() == nb.corrupted.tolist()
     assert TT.self_cond_mask(td["u_sc"]).tolist() == nb.self_cond.tolist()
     masks = TT.decoder_masks(torch.from_numpy(nb.context_len), torch.from_numpy(valid), Cn, window=5)
-    vis = N.decoder_visibility(nb.context_len, valid, Cn, window=5)
+    vis = training_decoder_visibility(nb.context_len, valid, Cn, 5)
     for name in ("full_attention", "sliding_attention"):
         m = masks[name]
         assert m.shape == (B, 1, Cn, S + Cn)
@@ -349,7 +358,7 @@ def test_training_forward_equals_reference_objective(tiny):
     valid = np.arange(S)[None, :] < (Pl + R)[:, None]
     x = np.where(valid, rng.integers(5, Vn, size=(B, S)), 0)
     seed = 2  # draws k = [1, 0, 1] and both self-conditioning states
-    draws = N.TorchCPUGenerator(seed).training_draws(B, Cn, Vn)
+    draws = TorchCPUGenerator(seed).training_draws(B, Cn, Vn)
     nb = N.noise_batch(x, Pl, R, draws, Vn)
     assert nb.k.max() >= 1  # a later canvas is exercised
     assert nb.self_cond.any() and not nb.self_cond.all()
