@@ -123,12 +123,13 @@ class LiveCanvasView:
         width = max(shutil.get_terminal_size((80, 24)).columns, 20)
         out = [self._erase_codes(), HIDE_CURSOR if self.frames == 0 else ""]
         out.append(f"{DIM}{header}{RESET}\n{body}")
-        self.stream.write("".join(out))
-        self.stream.flush()
         visible = _ANSI.sub("", header + "\n" + body)
+        # the state first: a Ctrl-C arriving during the write must still find what to erase in close()
         self._lines_drawn = sum(max(1, -(-len(line) // width)) for line in visible.split("\n"))
         self._last_draw = now
         self.frames += 1
+        self.stream.write("".join(out))
+        self.stream.flush()
 
     def _erase_codes(self) -> str:
         if not self._lines_drawn:

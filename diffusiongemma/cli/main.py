@@ -1,4 +1,4 @@
-"""The ``diffusiongemma`` command line.
+"""The diffusiongemma command line.
 
     diffusiongemma generate "And God said"            generate with the shipped tiny model
     diffusiongemma generate -m DIR --chat "Hi"        any checkpoint (transformers or converted)
@@ -35,20 +35,24 @@ SUBCOMMANDS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows every option's default (``(default: X)``), except for switches and unset (None) defaults,
-    whose help text says what happens instead; keeps descriptions' line breaks."""
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default (``(default: X)``), except for switches, unset (None) defaults and help
+    texts that already say what the default is."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or action.default is argparse.SUPPRESS or "%(default)" in (action.help or ""):
+        if action.default in (None, False) or action.default is argparse.SUPPRESS or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+class TopHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``HelpFormatter`` keeping the line breaks of the command list above."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     from diffusiongemma import __version__
 
-    parser = argparse.ArgumentParser(prog="diffusiongemma", description=__doc__, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(prog="diffusiongemma", description=__doc__, formatter_class=TopHelpFormatter)
     parser.add_argument("--version", action="version", version=f"diffusiongemma {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module, _ in SUBCOMMANDS:
