@@ -20,7 +20,7 @@ import numpy as np
 
 from .cache import KVCache
 from .config import ModelConfig
-from .errors import InputError
+from .errors import InputError, NonFiniteError
 from .layers import attend, feed_forward, project_qkv
 from .masks import decoder_visibility, encoder_visibility
 from .observer import NULL_OBSERVER, Observer
@@ -96,6 +96,56 @@ def check_denoise_inputs(config: ModelConfig, canvas, batch_size: int, self_cond
     return ids, sc, mask
 
 
+def check_positions(config: ModelConfig, start: int, count: int, what: str) -> None:
+    """Refuse ``count`` tokens at positions ``start .. start + count - 1`` beyond ``max_position_embeddings``.
+
+    Raises ``InputError`` with the numbers (the rotary tables and the trained model end there). Shared by
+    every backend's ``encode`` and ``denoise`` and by the generation loop's up-front budget.
+    """
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and start + count > limit:
+        raise InputError(f"{what} would occupy positions {start}..{start + count - 1}, but this model has "
+                         f"max_position_embeddings={limit} (positions 0..{limit - 1}); {start} are already "
+                         f"used by the cache")
+
+
+def first_non_finite(array: np.ndarray) -> str:
+    """``"NaN at (row, position) (b, s)"`` / ``"+inf ..."`` for the first non-finite entry of (B, S, ...)."""
+    array = np.asarray(array)
+    where = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+    value = float(array[where])
+    return f"{'NaN' if value != value else ('+inf' if value > 0 else '-inf')} at (row, position) {where[:2]}"
+
+
+def non_finite_error(stage: str, where: str, array: np.ndarray, weights: Mapping[str, np.ndarray],
+                     inputs: Mapping[str, np.ndarray] = {}) -> NonFiniteError:
+    """The ``NonFiniteError`` for ``array``, the first value of the forward pass that was not finite.
+
+    stage: "encode" or "denoise"; where: what ``array`` is ("the output of decoder layer 2"). The cause
+    is looked for in what that computation read: ``inputs`` first (name -> array, e.g. the cache's keys of
+    that layer), then ``weights`` (project tensor name -> array; weights are checked when a model is built,
+    so a non-finite one was changed afterwards). When all are finite, float32 overflowed there. Shared by
+    every backend, so that the same fault gives the same message.
+    """
+    cause = None
+    for kind, items in (("input", inputs), ("weight", weights)):
+        for name, value in items.items():
+            value = np.asarray(value)
+            if value.size and not np.isfinite(value).all():
+                bad = value.reshape(-1)[~np.isfinite(value.reshape(-1))][0]
+                cause = f"{kind} {name!r} holds {'NaN' if bad != bad else float(bad)}"
+                break
+        if cause:
+            break
+    if cause is None:
+        cause = ("every weight and input it read is finite, so float32 overflowed there "
+                 "(weights or activations too large)")
+    return NonFiniteError(f"{stage}: {where} is not finite ({first_non_finite(array)}); {cause}")
+
+
+ATTENTION_SCORE_BYTES = 32 * 2 ** 20  # the encoder attends in query blocks whose float32 scores fit in this
+
+
 class Model:
     """DiffusionGemma text model with NumPy weights.
 
@@ -150,8 +200,11 @@ class Model:
         Returns the encoder's final-norm hidden states (B, n, H) float32 (upstream ``last_hidden_state``;
         generation does not use them, the autoregressive training loss does). Padded positions hold
         unspecified values.
-        Raises ``InputError`` for ids out of range, wrong shapes or a cache of another batch size; the
-        cache is left unchanged on error.
+        Long inputs attend in query blocks (``ATTENTION_SCORE_BYTES`` of scores each), so memory grows
+        linearly with n, not quadratically (blocks change BLAS's summation order: float32 rounding only).
+        Raises ``InputError`` for ids out of range, wrong shapes, a cache of another batch size or positions
+        beyond ``max_position_embeddings``; ``NonFiniteError`` naming the first encoder layer whose output
+        is not finite, and why. The cache is left unchanged on error.
         """
         ids = self._check_ids("input_ids", input_ids, cache)
         B, n = ids.shape
@@ -159,6 +212,7 @@ class Model:
             raise InputError("input_ids has no tokens (shape (B, 0))")
         mask = check_attention_mask(attention_mask, (B, n))
         config = self.config
+        check_positions(config, cache.length, n, f"input_ids ({n} tokens)")
         positions = cache.length + np.arange(n, dtype=np.int64)  # (n,)
         is_real = np.concatenate([cache.is_real, mask], axis=1)  # (B, L + n)
         tables = {kind: rope_cos_sin(np.broadcast_to(positions, (B, n)), omega) for kind, omega in self._omega.items()}
@@ -172,8 +226,10 @@ class Model:
             values = np.concatenate([cache.values[l], v], axis=2)
             key_pos = np.concatenate([cache.positions(l), positions])  # (T_l + n,)
             window = config.sliding_window if config.is_sliding(l) else None
-            visible = encoder_visibility(positions, key_pos, is_real[:, key_pos], window)  # (B, n, T)
-            h = self._block_tail(h, attend(q, keys, values, visible), w, w["encoder_layer_scalar"])
+            attn = self._causal_attention(q, keys, values, positions, key_pos, is_real[:, key_pos], window)
+            h = self._block_tail(h, attn, w, w["encoder_layer_scalar"])
+            if not np.isfinite(h).all():
+                raise self._non_finite("encode", f"the output of encoder layer {l}", h, l, cache)
             retained.append((keys, values))
         for l, (keys, values) in enumerate(retained):  # commit only once every layer succeeded
             cache.retain(l, keys, values)
@@ -230,15 +286,21 @@ class Model:
         Returns soft-capped logits (B, C, V) float32 (upstream: lm_head output, cast to float32, then
         ``c * tanh(z / c)``).
         Raises ``InputError`` for a wrong canvas length, ids out of range, self-conditioning logits of the
-        wrong shape or holding NaN, or a cache of another batch size.
+        wrong shape or holding NaN, +inf or a position of only -inf, a cache of another batch size, or
+        positions beyond ``max_position_embeddings``; ``NonFiniteError`` naming the decoder input or the
+        first decoder layer whose output is not finite, and the weight or cache entry that explains it
+        (the logits are checked before the soft-cap, which would turn an infinity into +-c).
         """
         config = self.config
         ids, self_conditioning_logits, self_conditioning_mask = check_denoise_inputs(
             config, canvas, self._check_cache(cache).batch_size, self_conditioning_logits, self_conditioning_mask)
         B, C = ids.shape
+        check_positions(config, cache.length, C, f"the canvas ({C} tokens)")
         positions = cache.length + np.arange(C, dtype=np.int64)
         tables = {kind: rope_cos_sin(np.broadcast_to(positions, (B, C)), omega) for kind, omega in self._omega.items()}
         h = self.canvas_input(ids, self_conditioning_logits, self_conditioning_mask)
+        if not np.isfinite(h).all():
+            raise self._non_finite("denoise", "the decoder input (canvas embedding + self-conditioning)", h, None)
         observer.decoder_input(h)
         for l, w in enumerate(self.layers):
             x = rms_norm(h, w["input_layernorm"], config.rms_norm_eps)
@@ -247,13 +309,54 @@ class Model:
             values = np.concatenate([cache.values[l], v], axis=2)
             visible = decoder_visibility(cache.is_real[:, cache.positions(l)], C)  # (B, 1, T_l + C)
             h = self._block_tail(h, attend(q, keys, values, visible), w, w["decoder_layer_scalar"])
+            if not np.isfinite(h).all():
+                raise self._non_finite("denoise", f"the output of decoder layer {l}", h, l, cache)
             observer.decoder_layer(l, h)
-        return self.output_logits(h)
+        raw = self.output_logits(h, capped=False)
+        if not np.isfinite(raw).all():
+            raise self._non_finite("denoise", "the logits before the soft-cap", raw, None)
+        return softcap(raw, config.final_logit_softcapping)
 
-    def output_logits(self, h: np.ndarray) -> np.ndarray:
-        """Final norm, tied output projection and soft-cap: (..., H) -> (..., V) float32."""
+    def output_logits(self, h: np.ndarray, capped: bool = True) -> np.ndarray:
+        """Final norm, tied output projection and (unless ``capped`` is False) soft-cap: (..., H) -> (..., V)."""
         h = rms_norm(h, self.tensors["final_norm"], self.config.rms_norm_eps)
-        return softcap(h @ self.tensors["embed_tokens"].T, self.config.final_logit_softcapping)
+        logits = h @ self.tensors["embed_tokens"].T
+        return softcap(logits, self.config.final_logit_softcapping) if capped else logits
+
+    # ------------------------------------------------------------------ failure diagnosis
+    def _non_finite(self, stage: str, where: str, array: np.ndarray, layer: int | None,
+                    cache: KVCache | None = None) -> NonFiniteError:
+        """``non_finite_error`` with the weights (and cache entries) that computation read."""
+        if layer is None:
+            names = [n for n in self.tensors if not n.startswith("layers.")]
+        else:
+            names = [n for n in self.tensors if n.startswith(f"layers.{layer}.")]
+            if layer == 0:
+                names += [n for n in self.tensors if not n.startswith("layers.")]
+        inputs = {}
+        if cache is not None and layer is not None:
+            inputs = {f"cache keys of layer {layer}": cache.keys[layer],
+                      f"cache values of layer {layer}": cache.values[layer]}
+        return non_finite_error(stage, where, array, {n: self.tensors[n] for n in names}, inputs)
+
+    def _causal_attention(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray,
+                          key_pos: np.ndarray, key_real: np.ndarray, window: int | None) -> np.ndarray:
+        """Encoder attention of the queries at ``positions`` (B, S, n_h, d) over (B, g, T, d) keys/values.
+
+        Builds the visibility (``encoder_visibility``) and the scores per block of queries, so that memory
+        is O(block * T) instead of O(S * T). Inputs whose scores fit in one block take the one-block path
+        unchanged; split blocks agree with it to float32 rounding (BLAS sums in another order).
+        """
+        B, S, n_h, d = q.shape
+        T = keys.shape[2]
+        block = max(1, ATTENTION_SCORE_BYTES // (4 * B * n_h * max(T, 1)))
+        if block >= S:
+            return attend(q, keys, values, encoder_visibility(positions, key_pos, key_real, window))
+        out = np.empty((B, S, n_h * d), dtype=np.float32)
+        for a in range(0, S, block):
+            b = min(S, a + block)
+            out[:, a:b] = attend(q[:, a:b], keys, values, encoder_visibility(positions[a:b], key_pos, key_real, window))
+        return out
 
     # ------------------------------------------------------------------ shared block
     def _block_tail(self, h: np.ndarray, attn: np.ndarray, w: dict, layer_scalar: np.ndarray) -> np.ndarray:
