@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
@@ -44,6 +43,7 @@ from . import _kernels
 from .attention import attend
 from .backend import CpuBackend
 from .cache import KVCache
+from .weights import LayerWeights, pack
 
 DEVICES = ("cpu",)  # devices this module can run on ("cuda" lives elsewhere)
 
@@ -91,39 +91,6 @@ class Workspace:
         return sum(b.nbytes for b in self._buffers.values())
 
 
-@dataclass
-class LayerWeights:
-    """One transformer block's tensors, repacked for the fast path (float32, C-contiguous)."""
-
-    sliding: bool  # sliding-window layer (else full attention, no v_proj)
-    head_dim: int  # d of this layer
-    num_kv_heads: int  # g of this layer
-    qkv: np.ndarray  # (n_h*d + g*d [+ g*d], H): [q_proj; k_proj; v_proj (sliding only)]
-    o_proj: np.ndarray  # (H, n_h*d)
-    q_norm: np.ndarray  # (d,)
-    k_norm: np.ndarray  # (d,)
-    input_norm: np.ndarray  # (H,) input_layernorm
-    post_attention_norm: np.ndarray  # (H,)
-    pre_ffn_norm: np.ndarray  # (H,) dense branch input norm
-    mlp_gate_up: np.ndarray  # (2*I_d, H): [gate_proj; up_proj]
-    mlp_down: np.ndarray  # (H, I_d)
-    post_ffn_norm_1: np.ndarray  # (H,) dense branch output norm
-    router: np.ndarray  # (E, H)
-    router_scale: np.ndarray  # (H,)
-    per_expert_scale: np.ndarray  # (E,)
-    pre_ffn_norm_2: np.ndarray  # (H,) expert input norm
-    expert_gate_up: np.ndarray  # (E, 2*I_e, H), gate rows first
-    expert_down: np.ndarray  # (E, H, I_e)
-    post_ffn_norm_2: np.ndarray  # (H,) expert output norm
-    post_ffn_norm: np.ndarray  # (H,)
-    encoder_scalar: np.float32  # layer scalar of the encoder stack
-    decoder_scalar: np.float32  # layer scalar of the decoder stack
-
-
-def _f32(array: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(array, dtype=np.float32)
-
-
 class Model:
     """DiffusionGemma text model on the fast CPU kernels.
 
@@ -139,13 +106,10 @@ class Model:
         self.config = config
         self.xp = np
         self.ops = _kernels
-        t = tensors
-        self.embed_tokens = _f32(t["embed_tokens"])  # (V, H), also the tied output projection
-        self.final_norm = _f32(t["final_norm"])
-        self.sc_pre_norm = _f32(t["self_conditioning.pre_norm"])
-        self.sc_gate_up = _f32(np.concatenate([t["self_conditioning.gate_proj"], t["self_conditioning.up_proj"]]))
-        self.sc_down = _f32(t["self_conditioning.down_proj"])
-        self.layers = [self._repack(l, t) for l in range(config.num_hidden_layers)]
+        packed = pack(config, tensors)
+        self.embed_tokens, self.final_norm = packed.embed_tokens, packed.final_norm  # (V, H), (H,)
+        self.sc_pre_norm, self.sc_gate_up, self.sc_down = packed.sc_pre_norm, packed.sc_gate_up, packed.sc_down
+        self.layers = packed.layers
         self._omega = {kind: rope_inverse_frequencies(config.rope_parameters[kind], d)
                        for kind, d in zip(config.layer_types, config.layer_head_dim)}
         self._eps = np.float32(config.rms_norm_eps)
@@ -154,29 +118,6 @@ class Model:
         self._cap = np.float32(config.final_logit_softcapping)
         self._rope_tables: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.workspace = Workspace(self.xp)
-
-    def _repack(self, l: int, t: Mapping[str, np.ndarray]) -> LayerWeights:
-        p = f"layers.{l}."
-        sliding = self.config.is_sliding(l)
-        projections = [t[p + "q_proj"], t[p + "k_proj"]] + ([t[p + "v_proj"]] if sliding else [])
-        return LayerWeights(
-            sliding=sliding, head_dim=self.config.layer_head_dim[l],
-            num_kv_heads=self.config.layer_num_key_value_heads[l],
-            qkv=_f32(np.concatenate(projections)), o_proj=_f32(t[p + "o_proj"]),
-            q_norm=_f32(t[p + "q_norm"]), k_norm=_f32(t[p + "k_norm"]),
-            input_norm=_f32(t[p + "input_layernorm"]), post_attention_norm=_f32(t[p + "post_attention_layernorm"]),
-            pre_ffn_norm=_f32(t[p + "pre_feedforward_layernorm"]),
-            mlp_gate_up=_f32(np.concatenate([t[p + "mlp.gate_proj"], t[p + "mlp.up_proj"]])),
-            mlp_down=_f32(t[p + "mlp.down_proj"]), post_ffn_norm_1=_f32(t[p + "post_feedforward_layernorm_1"]),
-            router=_f32(t[p + "router.proj"]), router_scale=_f32(t[p + "router.scale"]),
-            per_expert_scale=_f32(t[p + "router.per_expert_scale"]),
-            pre_ffn_norm_2=_f32(t[p + "pre_feedforward_layernorm_2"]),
-            expert_gate_up=_f32(t[p + "experts.gate_up_proj"]), expert_down=_f32(t[p + "experts.down_proj"]),
-            post_ffn_norm_2=_f32(t[p + "post_feedforward_layernorm_2"]),
-            post_ffn_norm=_f32(t[p + "post_feedforward_layernorm"]),
-            encoder_scalar=np.float32(np.asarray(t[p + "encoder_layer_scalar"]).reshape(-1)[0]),
-            decoder_scalar=np.float32(np.asarray(t[p + "decoder_layer_scalar"]).reshape(-1)[0]),
-        )
 
     # ------------------------------------------------------------------ loading
     @classmethod

@@ -85,7 +85,7 @@ class FusedSampler:
             u = np.ascontiguousarray(np.asarray(uniforms, dtype=np.float64)[rows].reshape(-1))
         T = 0.0 if temperature is None else float(temperature)
         _kernels.sample_rows(logits.reshape(B * C, V), probs.reshape(B * C, V), flat_rows, T, u, self._scratch,
-                             draft, entropies, sampled if sampled is not None else np.empty(0, np.int64), flags)
+                             draft, entropies, sampled if sampled is not None else np.empty(R, np.int64), flags)
         if flags.any():
             raise_for_logit_flags(flat_rows, flags, C, temperature)
         n = rows.shape[0]

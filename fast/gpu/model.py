@@ -43,8 +43,9 @@ from diffusiongemma.reference.primitives import rope_inverse_frequencies, softca
 from diffusiongemma.reference.weights import check_tensors, load_checkpoint
 
 from . import launch as gl
+from ..weights import pack
 from .cache import GpuKVCache
-from .device import CupyDevice, gpu_available
+from .device import CupyDevice, gpu_available, make_device
 from .sampling import GpuBackend, _StepOutputs, _flat_rows, raise_for_flags
 
 
@@ -76,33 +77,15 @@ class Model:
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], device: Any = "cuda"):
         check_tensors(tensors, config)
         self.config = config
-        self.device = CupyDevice(device) if isinstance(device, str) else device
+        self.device = make_device(device) if isinstance(device, str) else device
         dev = self.device
-        up = lambda array: dev.to_device(np.ascontiguousarray(array, dtype=np.float32))  # noqa: E731
         with dev.context():
-            t = tensors
-            self.embed_tokens = up(t["embed_tokens"])  # (V, H): embedding, lm_head and SC soft embedding
-            self.final_norm = up(t["final_norm"])
-            self.sc_pre_norm = up(t["self_conditioning.pre_norm"])
-            self.sc_gate_up = up(np.concatenate([t["self_conditioning.gate_proj"], t["self_conditioning.up_proj"]]))
-            self.sc_down = up(t["self_conditioning.down_proj"])
-            self.layers = [self._upload_layer(t, l, up) for l in range(config.num_hidden_layers)]
+            packed = pack(config, tensors, upload=dev.to_device)
+        self.embed_tokens, self.final_norm = packed.embed_tokens, packed.final_norm  # (V, H), (H,)
+        self.sc_pre_norm, self.sc_gate_up, self.sc_down = packed.sc_pre_norm, packed.sc_gate_up, packed.sc_down
+        self.layers = packed.layers
         self._omega = {kind: rope_inverse_frequencies(config.rope_parameters[kind], d)
                        for kind, d in zip(config.layer_types, config.layer_head_dim)}
-
-    def _upload_layer(self, t: Mapping[str, np.ndarray], l: int, up) -> dict:
-        p = f"layers.{l}."
-        qkv = [t[p + "q_proj"], t[p + "k_proj"]] + ([t[p + "v_proj"]] if self.config.is_sliding(l) else [])
-        names = ("input_layernorm", "o_proj", "q_norm", "k_norm", "post_attention_layernorm",
-                 "pre_feedforward_layernorm", "mlp.down_proj", "post_feedforward_layernorm_1", "router.proj",
-                 "router.scale", "router.per_expert_scale", "pre_feedforward_layernorm_2", "experts.gate_up_proj",
-                 "experts.down_proj", "post_feedforward_layernorm_2", "post_feedforward_layernorm")
-        w = {name: up(t[p + name]) for name in names}
-        w["qkv"] = up(np.concatenate(qkv))  # (n_h*d + g*d [+ g*d], H)
-        w["mlp.gate_up"] = up(np.concatenate([t[p + "mlp.gate_proj"], t[p + "mlp.up_proj"]]))  # (2*I_d, H)
-        w["encoder_scalar"] = float(np.float32(np.asarray(t[p + "encoder_layer_scalar"]).reshape(-1)[0]))
-        w["decoder_scalar"] = float(np.float32(np.asarray(t[p + "decoder_layer_scalar"]).reshape(-1)[0]))
-        return w
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -112,7 +95,7 @@ class Model:
         Raises ``RuntimeError`` when the GPU backend is unusable (no CuPy, no GPU), ``CheckpointError`` /
         ``ConfigError`` for a bad checkpoint. The device is checked before the (slow) weight read.
         """
-        dev = CupyDevice(device) if isinstance(device, str) else device
+        dev = make_device(device) if isinstance(device, str) else device
         config, tensors = load_checkpoint(path)
         return cls(config, tensors, device=dev)
 
@@ -176,7 +159,7 @@ class Model:
                 attn = _Attention(cache, l, n_cache=cache.cached_slots(l), rows=None, new_pos=pos_dev,
                                   new_real=real_dev, causal=True,
                                   window=config.sliding_window if config.is_sliding(l) else 0)
-                k, v = self._layer(h, B, n, l, pos_dev, tables, attn, w["encoder_scalar"])
+                k, v = self._layer(h, B, n, l, pos_dev, tables, attn, w.encoder_scalar)
                 pending.append((k, v))
             for l, (k, v) in enumerate(pending):  # commit only once every layer succeeded
                 cache.store(l, k, v)
@@ -258,7 +241,7 @@ class Model:
         for l, w in enumerate(self.layers):
             attn = _Attention(cache, l, n_cache=cache.cached_slots(l), rows=cache_rows, new_pos=pos_dev,
                               new_real=ones, causal=False, window=0)
-            self._layer(h, n_rows, C, l, pos_dev, tables, attn, w["decoder_scalar"])
+            self._layer(h, n_rows, C, l, pos_dev, tables, attn, w.decoder_scalar)
         hf = dev.empty((n_rows * C, H), np.float32)
         dev.launch(gl.rms_norm(h, self.final_norm, hf, config.rms_norm_eps))
         for i, b in enumerate(rows):  # tied lm_head straight into the buffer rows
@@ -281,24 +264,24 @@ class Model:
         n_h, g, d = config.num_attention_heads, config.layer_num_key_value_heads[l], config.layer_head_dim[l]
         has_v = config.is_sliding(l)
         x = dev.empty((N * S, H), np.float32)
-        dev.launch(gl.rms_norm(h, w["input_layernorm"], x, eps))
-        proj = dev.empty((N * S, w["qkv"].shape[0]), np.float32)
-        dev.xp.matmul(x, w["qkv"].T, out=proj)
+        dev.launch(gl.rms_norm(h, w.input_norm, x, eps))
+        proj = dev.empty((N * S, w.qkv.shape[0]), np.float32)
+        dev.xp.matmul(x, w.qkv.T, out=proj)
         q = dev.empty((N, S, n_h, d), np.float32)
         k = dev.empty((N, g, S, d), np.float32)
         v = dev.empty((N, g, S, d), np.float32)
         cos, sin = tables[config.layer_types[l]]
-        dev.launch(gl.qkv_heads(proj, N, S, n_h, g, d, has_v, w["q_norm"], w["k_norm"], cos, sin, q, k, v, eps))
+        dev.launch(gl.qkv_heads(proj, N, S, n_h, g, d, has_v, w.q_norm, w.k_norm, cos, sin, q, k, v, eps))
         heads = dev.empty((N, S, n_h * d), np.float32)
         dev.launch(attn.launch(q, pos_dev, k, v, heads))
         y = dev.empty((N * S, H), np.float32)
-        dev.xp.matmul(heads.reshape(N * S, n_h * d), w["o_proj"].T, out=y)
-        dev.launch(gl.residual_norm(h, y, w["post_attention_layernorm"], 1.0, eps))
-        dev.launch(gl.rms_norm(h, w["pre_feedforward_layernorm"], x, eps))
-        dense = self._gated_mlp(x, w["mlp.gate_up"], w["mlp.down_proj"])
+        dev.xp.matmul(heads.reshape(N * S, n_h * d), w.o_proj.T, out=y)
+        dev.launch(gl.residual_norm(h, y, w.post_attention_norm, 1.0, eps))
+        dev.launch(gl.rms_norm(h, w.pre_ffn_norm, x, eps))
+        dense = self._gated_mlp(x, w.mlp_gate_up, w.mlp_down)
         moe = self._experts(h, w)
-        dev.launch(gl.ffn_tail(h, dense, moe, w["post_feedforward_layernorm_1"], w["post_feedforward_layernorm_2"],
-                               w["post_feedforward_layernorm"], scalar, eps))
+        dev.launch(gl.ffn_tail(h, dense, moe, w.post_ffn_norm_1, w.post_ffn_norm_2,
+                               w.post_ffn_norm, scalar, eps))
         return k, v
 
     def _gated_mlp(self, x, gate_up, down):
@@ -321,14 +304,14 @@ class Model:
         N, H = h.shape
         E, K, I_e, eps = config.num_experts, config.top_k_experts, config.moe_intermediate_size, config.rms_norm_eps
         z = dev.empty((N, H), np.float32)
-        dev.launch(gl.rms_norm(h, w["router.scale"], z, eps, post=float(np.float32(H ** -0.5))))
+        dev.launch(gl.rms_norm(h, w.router_scale, z, eps, post=float(np.float32(H ** -0.5))))
         probs = dev.empty((N, E), np.float32)
-        dev.xp.matmul(z, w["router.proj"].T, out=probs)
+        dev.xp.matmul(z, w.router.T, out=probs)
         indices = dev.empty((N, K), np.int64)
         weights = dev.empty((N, K), np.float32)
-        dev.launch(gl.router(probs, w["router.per_expert_scale"], indices, weights))
+        dev.launch(gl.router(probs, w.per_expert_scale, indices, weights))
         xe = z  # reuse: the router input is no longer needed
-        dev.launch(gl.rms_norm(h, w["pre_feedforward_layernorm_2"], xe, eps))
+        dev.launch(gl.rms_norm(h, w.pre_ffn_norm_2, xe, eps))
         tiles, rows = gl.moe_rows(N, K, E)
         offsets = dev.empty((E + 1,), np.int32)
         row_token = dev.empty((rows,), np.int32)
@@ -338,11 +321,11 @@ class Model:
         xg = dev.empty((rows, H), np.float32)
         dev.launch(gl.gather_rows(xe, row_token, xg))
         gu = dev.zeros((rows, 2 * I_e), np.float32)
-        dev.launch(gl.grouped_gemm_nt(xg, w["experts.gate_up_proj"], tile_expert, gu))
+        dev.launch(gl.grouped_gemm_nt(xg, w.expert_gate_up, tile_expert, gu))
         act = dev.empty((rows, I_e), np.float32)
         dev.launch(gl.gated_gelu(gu, act))
         yo = dev.empty((rows, H), np.float32)
-        dev.launch(gl.grouped_gemm_nt(act, w["experts.down_proj"], tile_expert, yo))
+        dev.launch(gl.grouped_gemm_nt(act, w.expert_down, tile_expert, yo))
         out = dev.empty((N, H), np.float32)
         dev.launch(gl.combine_experts(yo, indices, choice_row, weights, out))
         return out

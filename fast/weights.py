@@ -1,0 +1,104 @@
+"""The fast paths' weight layout: the checkpoint's tensors repacked once, for the CPU and the GPU alike.
+
+Both fast paths read a layer's attention projections as one fused matrix and the dense MLP's gate and up
+projections as one, so that a block makes one product where the reference makes two or three. ``pack``
+builds that layout from the project's tensor names (``reference.weights``), widening to float32, and hands
+every array to ``upload`` (identity on the CPU; a copy to the device on the GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from diffusiongemma.reference.config import ModelConfig
+
+__all__ = ["LayerWeights", "PackedWeights", "pack", "host_float32"]
+
+
+def host_float32(array: np.ndarray) -> np.ndarray:
+    """A C-contiguous float32 copy (or view) of ``array`` on the host."""
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+@dataclass
+class LayerWeights:
+    """One transformer block's tensors, repacked (float32, C-contiguous, on the model's device)."""
+
+    sliding: bool  # sliding-window layer (else full attention, no v_proj)
+    head_dim: int  # d of this layer
+    num_kv_heads: int  # g of this layer
+    qkv: Any  # (n_h*d + g*d [+ g*d], H): [q_proj; k_proj; v_proj (sliding only)]
+    o_proj: Any  # (H, n_h*d)
+    q_norm: Any  # (d,)
+    k_norm: Any  # (d,)
+    input_norm: Any  # (H,) input_layernorm
+    post_attention_norm: Any  # (H,)
+    pre_ffn_norm: Any  # (H,) dense branch input norm
+    mlp_gate_up: Any  # (2*I_d, H): [gate_proj; up_proj]
+    mlp_down: Any  # (H, I_d)
+    post_ffn_norm_1: Any  # (H,) dense branch output norm
+    router: Any  # (E, H)
+    router_scale: Any  # (H,)
+    per_expert_scale: Any  # (E,)
+    pre_ffn_norm_2: Any  # (H,) expert input norm
+    expert_gate_up: Any  # (E, 2*I_e, H), gate rows first
+    expert_down: Any  # (E, H, I_e)
+    post_ffn_norm_2: Any  # (H,) expert output norm
+    post_ffn_norm: Any  # (H,)
+    encoder_scalar: np.float32  # layer scalar of the encoder stack
+    decoder_scalar: np.float32  # layer scalar of the decoder stack
+
+
+@dataclass
+class PackedWeights:
+    """The whole model in the fast layout."""
+
+    embed_tokens: Any  # (V, H): embedding, tied output projection and self-conditioning soft embedding
+    final_norm: Any  # (H,)
+    sc_pre_norm: Any  # (H,) self_conditioning.pre_norm
+    sc_gate_up: Any  # (2*I_sc, H): [self_conditioning.gate_proj; self_conditioning.up_proj]
+    sc_down: Any  # (H, I_sc)
+    layers: list  # LayerWeights per layer
+
+
+def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
+         upload: Callable[[np.ndarray], Any] = lambda array: array) -> PackedWeights:
+    """Repack checked ``tensors`` (``reference.weights.check_tensors``) into the fast layout.
+
+    upload: called on every float32 host array; returns what the model keeps (a device array on a GPU).
+    """
+    t = tensors
+    put = lambda array: upload(host_float32(array))  # noqa: E731
+
+    def layer(l: int) -> LayerWeights:
+        p = f"layers.{l}."
+        sliding = config.is_sliding(l)
+        projections = [t[p + "q_proj"], t[p + "k_proj"]] + ([t[p + "v_proj"]] if sliding else [])
+        return LayerWeights(
+            sliding=sliding, head_dim=config.layer_head_dim[l], num_kv_heads=config.layer_num_key_value_heads[l],
+            qkv=put(np.concatenate(projections)), o_proj=put(t[p + "o_proj"]),
+            q_norm=put(t[p + "q_norm"]), k_norm=put(t[p + "k_norm"]),
+            input_norm=put(t[p + "input_layernorm"]), post_attention_norm=put(t[p + "post_attention_layernorm"]),
+            pre_ffn_norm=put(t[p + "pre_feedforward_layernorm"]),
+            mlp_gate_up=put(np.concatenate([t[p + "mlp.gate_proj"], t[p + "mlp.up_proj"]])),
+            mlp_down=put(t[p + "mlp.down_proj"]), post_ffn_norm_1=put(t[p + "post_feedforward_layernorm_1"]),
+            router=put(t[p + "router.proj"]), router_scale=put(t[p + "router.scale"]),
+            per_expert_scale=put(t[p + "router.per_expert_scale"]),
+            pre_ffn_norm_2=put(t[p + "pre_feedforward_layernorm_2"]),
+            expert_gate_up=put(t[p + "experts.gate_up_proj"]), expert_down=put(t[p + "experts.down_proj"]),
+            post_ffn_norm_2=put(t[p + "post_feedforward_layernorm_2"]),
+            post_ffn_norm=put(t[p + "post_feedforward_layernorm"]),
+            encoder_scalar=np.float32(np.asarray(t[p + "encoder_layer_scalar"]).reshape(-1)[0]),
+            decoder_scalar=np.float32(np.asarray(t[p + "decoder_layer_scalar"]).reshape(-1)[0]),
+        )
+
+    return PackedWeights(
+        embed_tokens=put(t["embed_tokens"]), final_norm=put(t["final_norm"]),
+        sc_pre_norm=put(t["self_conditioning.pre_norm"]),
+        sc_gate_up=put(np.concatenate([t["self_conditioning.gate_proj"], t["self_conditioning.up_proj"]])),
+        sc_down=put(t["self_conditioning.down_proj"]),
+        layers=[layer(l) for l in range(config.num_hidden_layers)],
+    )
