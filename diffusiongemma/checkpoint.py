@@ -21,7 +21,8 @@ def default_model_dir() -> str:
 
 
 def load_model(path: str, backend: str = "reference"):
-    """The model of ``path`` on ``backend``: "reference" (NumPy), "cpu" (Cython fast path), "gpu" (CuPy).
+    """The model of ``path`` on ``backend``: "reference" (NumPy), "cpu" (Cython fast path), "gpu" (CuPy),
+    "gpu-sim" (the GPU path with its CUDA kernels executed on the CPU, checked: device "cuda-sim").
 
     Raises ``CheckpointError`` for a missing or malformed directory and ``RuntimeError`` when the backend
     is not available here (e.g. the compiled extension is not built, or no GPU).
@@ -30,13 +31,13 @@ def load_model(path: str, backend: str = "reference"):
         from diffusiongemma.reference.model import Model
 
         return Model.from_pretrained(path)
-    return _backend_module(backend).Model.from_pretrained(path, device={"cpu": "cpu", "gpu": "cuda"}[backend])
+    return _backend_module(backend).Model.from_pretrained(path, device={"cpu": "cpu", "gpu": "cuda", "gpu-sim": "cuda-sim"}[backend])
 
 
 def _backend_module(backend: str):
-    """``diffusiongemma.fast`` (cpu) or ``diffusiongemma.fast.gpu`` (gpu); RuntimeError when unavailable."""
+    """``diffusiongemma.fast`` (cpu) or ``diffusiongemma.fast.gpu`` (gpu, gpu-sim); RuntimeError when unavailable."""
     try:
-        if backend == "gpu":
+        if backend in ("gpu", "gpu-sim"):
             from diffusiongemma.fast import gpu as module
         else:
             from diffusiongemma import fast as module

@@ -11,7 +11,7 @@ import time
 
 from .argtypes import non_negative_float, positive_float, positive_int, seed
 
-BACKENDS = ["reference", "cpu", "gpu"]  # other backends are appended here by their modules
+BACKENDS = ["reference", "cpu", "gpu", "gpu-sim"]  # other backends are appended here by their modules
 VIEWS = ("auto", "live", "plain")
 
 

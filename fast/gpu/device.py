@@ -1,7 +1,9 @@
-"""The GPU device: CuPy arrays on one CUDA GPU and the kernels of ``fast/gpu/cuda`` compiled by NVRTC.
+"""The GPU devices: CuPy arrays on one CUDA GPU and the kernels of ``fast/gpu/cuda`` compiled by NVRTC
+(``CupyDevice``), or the same kernels executed on the CPU with checks (``sim.SimDevice``, "cuda-sim").
 
 The host code of the GPU path talks to a device only through the small interface of ``CupyDevice``
 (``xp``, ``launch``, ``empty``, ``zeros``, ``to_device``, ``to_host``, ``synchronize``, ``context``).
+``make_device(name)`` maps a device string to a device.
 """
 
 from __future__ import annotations
@@ -16,7 +18,25 @@ from diffusiongemma.reference.errors import InputError
 
 from . import launch as gl
 
-__all__ = ["CupyDevice", "gpu_available", "device_index"]
+__all__ = ["CupyDevice", "gpu_available", "device_index", "make_device", "DEVICE_NAMES"]
+
+#: The device strings ``make_device`` accepts (N: a GPU index).
+DEVICE_NAMES = ("cuda", "cuda:N", "cuda-sim")
+
+
+def make_device(name: str):
+    """The device named ``name``: "cuda" / "cuda:N" -> ``CupyDevice`` (GPU 0 / GPU N); "cuda-sim" ->
+    ``sim.SimDevice()``: the kernels run on the CPU by the executor of ``fast/gpu/sim``, with its bounds,
+    race, divergence and schedule checks on (every launch runs twice). Raises ``InputError`` for any other
+    string, ``RuntimeError`` when the device is not usable here (no CuPy or GPU; no C++ compiler for a
+    run-time build of the simulator)."""
+    if name == "cuda-sim":
+        from .sim import SimDevice
+
+        return SimDevice()
+    if not isinstance(name, str) or not (name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit())):
+        raise InputError(f"device must be 'cuda', 'cuda:N' or 'cuda-sim', got {name!r}")
+    return CupyDevice(name)
 
 
 
