@@ -34,7 +34,8 @@ import numpy as np
 
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.errors import ConfigError, InputError
-from diffusiongemma.reference.model import check_attention_mask, check_denoise_inputs, check_token_ids
+from diffusiongemma.reference.model import (check_attention_mask, check_denoise_inputs, check_positions,
+                                            check_token_ids, non_finite_error)
 from diffusiongemma.reference.observer import NULL_OBSERVER
 from diffusiongemma.reference.primitives import rope_inverse_frequencies
 from diffusiongemma.reference.weights import check_tensors, load_checkpoint
@@ -147,6 +148,8 @@ class Model:
     def _check_cache(self, cache: KVCache) -> KVCache:
         if not isinstance(cache, KVCache):
             raise InputError(f"cache must be a KVCache from Model.new_cache, got {type(cache).__name__}")
+        if getattr(cache, "unusable", None):
+            raise InputError(f"this cache cannot be used any more: {cache.unusable}; start a new one")
         return cache
 
     def _check_ids(self, name: str, ids: np.ndarray, cache: KVCache) -> np.ndarray:
@@ -159,10 +162,12 @@ class Model:
         input_ids: (B, n) int token ids in [0, V) at positions ``cache.length .. cache.length + n - 1``.
         attention_mask: (B, n) of 0/1 (1 = real token), default all ones; padding keys are hidden.
         Returns the final-norm hidden states (B, n, H) float32 (padded positions: unspecified values).
-        Raises ``InputError`` for ids out of range, wrong shapes or a cache of another batch size (the
-        cache is unchanged then). Same contract as ``reference.model.Model.encode`` (SPEC §6). An
-        interruption in the middle of the pass (KeyboardInterrupt, MemoryError) can leave the sliding
-        rings partly updated; start a new cache after one.
+        Raises ``InputError`` for ids out of range, wrong shapes, a cache of another batch size or positions
+        beyond ``max_position_embeddings`` (the cache is unchanged then), and ``NonFiniteError`` naming the
+        first encoder layer whose output is not finite and why (the block's fused output check). Same
+        contract as ``reference.model.Model.encode`` (SPEC §6). Any failure in the middle of the pass (that
+        error, KeyboardInterrupt, MemoryError) can leave the sliding rings partly updated, so it marks the
+        cache unusable: later calls with it raise ``InputError``.
         """
         ids = self._check_ids("input_ids", input_ids, cache)
         B, n = ids.shape
@@ -171,13 +176,20 @@ class Model:
         mask = check_attention_mask(attention_mask, (B, n)).astype(np.uint8)
         config, ops, ws = self.config, self.ops, self.workspace
         L = cache.length
+        check_positions(config, L, n, f"input_ids ({n} tokens)")
         positions = L + np.arange(n, dtype=np.int64)  # (n,)
         rows = np.arange(B, dtype=np.int64)
         cache.begin_append(mask)
         h = ws.get("h", (B * n, config.hidden_size))
         ops.embed(ids.reshape(-1), self.embed_tokens, self._embed_scale, None, False, self._eps, h)  # no input norm
-        for l, w in enumerate(self.layers):
-            self._block(l, w, h, B, n, positions, cache, rows, mask, decoder=False)
+        try:
+            for l, w in enumerate(self.layers):
+                if self._block(l, w, h, B, n, positions, cache, rows, mask, decoder=False):
+                    raise self._non_finite("encode", f"the output of encoder layer {l}", h.reshape(B, n, -1), l,
+                                           cache)
+        except BaseException as exc:
+            cache.unusable = f"an encode call failed midway ({type(exc).__name__})"
+            raise
         cache.end_append(n)
         out = np.empty((B, n, config.hidden_size), dtype=np.float32)
         ops.rms_norm(h, self.final_norm, self._eps, out.reshape(B * n, -1))
@@ -195,7 +207,9 @@ class Model:
             ``self_conditioning_logits``: the input is consumed before the output is written).
         Returns the logits (B, C, V) float32 (``out`` when given). Raises ``InputError`` exactly where
         ``reference.model.Model.denoise`` does (wrong canvas length, ids out of range, SC logits of the
-        wrong shape or holding NaN, cache of another batch size) and for a misshapen ``out``.
+        wrong shape or holding NaN, cache of another batch size, positions beyond
+        ``max_position_embeddings``) and for a misshapen ``out``; ``NonFiniteError`` as the reference does
+        (same message for the same fault; ``decode_rows``).
         SPEC §7; the self-conditioning softmax is computed inside ``out`` (no second (C, V) buffer).
         """
         config = self.config
@@ -226,10 +240,14 @@ class Model:
         logits: (R, C, V) float32; row ``rows[i]`` receives canvas row i's soft-capped logits (it may be
             ``probs``: the probabilities are consumed first). sc_mask: (N,) float32 or None.
         Other rows of ``probs`` / ``logits`` are not touched.
+        Raises ``InputError`` for positions beyond ``max_position_embeddings`` and ``NonFiniteError`` naming
+        the decoder input, the first decoder layer output or the pre-cap logits that are not finite, with
+        the weight or cache entry behind it (checks fused into the block's last kernel and the soft-cap).
         """
         config, ops, ws, xp = self.config, self.ops, self.workspace, self.xp
         N, C = canvas.shape
         H, M = config.hidden_size, N * C
+        check_positions(config, cache.length, C, f"the canvas ({C} tokens)")
         contiguous = logits.shape[0] == N and bool(np.array_equal(rows, np.arange(N)))
         h = ws.get("h", (M, H))
         signal = None
@@ -248,21 +266,67 @@ class Model:
             signal = ws.get("sc_signal", (M, H))
             self._gated_mlp(x, self.sc_gate_up, self.sc_down, signal)
         ops.embed(canvas.reshape(-1), self.embed_tokens, self._embed_scale, signal, True, self._eps, h)
+        if ops.count_non_finite_rows(h):
+            raise self._non_finite("denoise", "the decoder input (canvas embedding + self-conditioning)",
+                                   h.reshape(N, C, H), None)
         positions = cache.length + np.arange(C, dtype=np.int64)
         canvas_real = ws.get("canvas_real", (N, C), np.uint8)
         canvas_real.fill(1)
         for l, w in enumerate(self.layers):
-            self._block(l, w, h, N, C, positions, cache, rows, canvas_real, decoder=True)
+            if self._block(l, w, h, N, C, positions, cache, rows, canvas_real, decoder=True):
+                raise self._non_finite("denoise", f"the output of decoder layer {l}", h.reshape(N, C, H), l, cache)
         hn = ws.get("x", (M, H))
         ops.rms_norm(h, self.final_norm, self._eps, hn)
+        bad = 0
         if contiguous:
             flat = logits.reshape(M, -1)
             xp.matmul(hn, self.embed_tokens.T, out=flat)
-            ops.softcap(flat, self._cap)
+            bad = ops.softcap(flat, self._cap)
         else:
             for i, row in enumerate(rows):
                 xp.matmul(hn[i * C:(i + 1) * C], self.embed_tokens.T, out=logits[row])
-                ops.softcap(logits[row], self._cap)
+                bad += ops.softcap(logits[row], self._cap)
+        if bad:  # the cap turned the infinities into +-c: recompute the raw logits for the message
+            raise self._non_finite("denoise", "the logits before the soft-cap",
+                                   (hn @ self.embed_tokens.T).reshape(N, C, -1), None)
+
+    # ------------------------------------------------------------------ failure diagnosis
+    def _non_finite(self, stage: str, where: str, array: np.ndarray, layer: int | None,
+                    cache: KVCache | None = None) -> Exception:
+        """``reference.model.non_finite_error`` with the (unpacked) weights and cache rows that stage read."""
+        weights = {"embed_tokens": self.embed_tokens, "final_norm": self.final_norm,
+                   "self_conditioning.pre_norm": self.sc_pre_norm}
+        I = self.sc_down.shape[1]
+        weights.update({"self_conditioning.gate_proj": self.sc_gate_up[:I],
+                        "self_conditioning.up_proj": self.sc_gate_up[I:], "self_conditioning.down_proj": self.sc_down})
+        inputs = {}
+        if layer is not None:
+            weights = (weights if layer == 0 else {}) | self._layer_weights(layer)
+            if cache is not None:
+                slots = cache.cached_slots(layer)
+                inputs = {f"cache keys of layer {layer}": cache.keys[layer][:, :, :slots],
+                          f"cache values of layer {layer}": cache.values[layer][:, :, :slots]}
+        return non_finite_error(stage, where, array, weights, inputs)
+
+    def _layer_weights(self, l: int) -> dict[str, np.ndarray]:
+        """Layer ``l``'s packed weights under the project's tensor names (views, for diagnosis)."""
+        w, p = self.layers[l], f"layers.{l}."
+        nq, nk = self.config.num_attention_heads * w.head_dim, w.num_kv_heads * w.head_dim
+        I = w.mlp_down.shape[1]
+        out = {p + "q_proj": w.qkv[:nq], p + "k_proj": w.qkv[nq:nq + nk]}
+        if w.sliding:
+            out[p + "v_proj"] = w.qkv[nq + nk:]
+        fields = {"o_proj": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm", "input_norm": "input_layernorm",
+                  "post_attention_norm": "post_attention_layernorm", "pre_ffn_norm": "pre_feedforward_layernorm",
+                  "mlp_down": "mlp.down_proj", "post_ffn_norm_1": "post_feedforward_layernorm_1",
+                  "router": "router.proj", "router_scale": "router.scale", "per_expert_scale": "router.per_expert_scale",
+                  "pre_ffn_norm_2": "pre_feedforward_layernorm_2", "expert_gate_up": "experts.gate_up_proj",
+                  "expert_down": "experts.down_proj", "post_ffn_norm_2": "post_feedforward_layernorm_2",
+                  "post_ffn_norm": "post_feedforward_layernorm", "encoder_scalar": "encoder_layer_scalar",
+                  "decoder_scalar": "decoder_layer_scalar"}
+        out.update({p + "mlp.gate_proj": w.mlp_gate_up[:I], p + "mlp.up_proj": w.mlp_gate_up[I:]})
+        out.update({p + name: np.asarray(getattr(w, field)) for field, name in fields.items()})
+        return out
 
     # ------------------------------------------------------------------ shared block
     def _rope(self, kind: str, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -278,8 +342,10 @@ class Model:
         return tables
 
     def _block(self, l: int, w: LayerWeights, h: np.ndarray, N: int, S: int, positions: np.ndarray,
-               cache: KVCache, rows: np.ndarray, new_real: np.ndarray, decoder: bool) -> None:
+               cache: KVCache, rows: np.ndarray, new_real: np.ndarray, decoder: bool) -> int:
         """One transformer block on the residual ``h`` (N*S, H), in place (SPEC §4).
+
+        Returns the number of rows of the new ``h`` that hold a NaN or an infinity (0 normally).
 
         Encoder (decoder=False): the S new tokens attend causally to the retained cache plus themselves
         and their keys/values are stored (full layers: straight into the cache slots; sliding layers:
@@ -323,8 +389,8 @@ class Model:
         self._gated_mlp(x, w.mlp_gate_up, w.mlp_down, dense)
         moe = self._experts(w, h)
         scalar = w.decoder_scalar if decoder else w.encoder_scalar
-        ops.feed_forward_residual(h, dense, moe, w.post_ffn_norm_1, w.post_ffn_norm_2, w.post_ffn_norm,
-                                  self._eps, scalar)
+        return ops.feed_forward_residual(h, dense, moe, w.post_ffn_norm_1, w.post_ffn_norm_2, w.post_ffn_norm,
+                                         self._eps, scalar)
 
     def _gated_mlp(self, x: np.ndarray, gate_up: np.ndarray, down: np.ndarray, out: np.ndarray) -> None:
         """``out = (gelu(x G^T) * (x U^T)) D^T`` with [G; U] stacked in ``gate_up``. x, out: (M, H)."""
