@@ -9,7 +9,7 @@ import pytest
 from diffusiongemma.reference.errors import ConfigError
 from diffusiongemma.reference.generate import GenerationConfig
 
-hf_generation = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+import transformers.models.diffusion_gemma.generation_diffusion_gemma as hf_generation  # the test extra (README) installs it
 
 # SPEC §2.2: what the converter writes for the released checkpoint
 RELEASED = {

@@ -46,7 +46,7 @@ from diffusiongemma.reference.draws import ReplayDraws
 from diffusiongemma.reference.generate import generate
 from tests.hf_tiny import TinySpec, tiny_model
 
-torch = pytest.importorskip("torch")
+import torch  # the test extra (README) installs it
 
 V, C = 128, 16  # tiny model vocabulary and canvas length (TinySpec defaults)
 

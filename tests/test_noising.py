@@ -27,7 +27,7 @@ from diffusiongemma.reference.masks import training_decoder_visibility
 from diffusiongemma.torch_replay import TorchCPUGenerator
 from diffusiongemma.reference.errors import InputError
 
-torch = pytest.importorskip("torch")
+import torch  # the test extra (README) installs it
 F = torch.nn.functional
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from diffusiongemma import fast
 from diffusiongemma.checkpoint import default_model_dir
 from diffusiongemma.cli.main import main
 from diffusiongemma.reference.draws import ReplayDraws
@@ -371,15 +372,14 @@ def test_cli_trace_compare_and_replay(tmp_path, capsys):
     assert main(["trace", "--replay", a, "-o", c, "--no-progress"]) == 0
     assert main(["compare", a, c, "--summary"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("note:") or out.startswith("RESULT: OK")  # no table with --summary
+    lines = out.strip().splitlines()  # --summary: the notes and the verdict, no table
+    assert lines[0] == "note: both runs used the same 5 random draws", out
+    assert lines[-1].startswith("RESULT: OK. All 43 compared tensors") and len(lines) == 2, out
     assert main(["trace", "--replay", a, "--seed", "3", "-o", c]) == 2
     assert "drop --seed" in capsys.readouterr().err
 
 
 def test_cli_reference_and_fast_traces_compare_clean(tmp_path, capsys):
-    fast = pytest.importorskip("diffusiongemma.fast")
-    if not hasattr(fast, "generate"):
-        pytest.skip("the fast path has no generate yet")
     ref, cpu = str(tmp_path / "ref.trace"), str(tmp_path / "cpu.trace")
     base = ["--prompt", "In the beginning", "--steps", "3", "--max-new-tokens", "64", "--no-progress"]
     assert main(["trace", *base, "-o", ref]) == 0

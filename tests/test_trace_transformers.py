@@ -19,6 +19,7 @@ import os
 import numpy as np
 import pytest
 
+from diffusiongemma import fast
 from diffusiongemma.cli.main import main
 from diffusiongemma.reference.draws import ReplayDraws
 from diffusiongemma.reference.generate import GenerationConfig, generate
@@ -26,7 +27,7 @@ from diffusiongemma.reference.model import Model
 from diffusiongemma.trace import Trace, TraceRecorder, compare_traces, format_report, record_generate
 from tests.hf_tiny import TinySpec, save_tiny, tiny_model
 
-torch = pytest.importorskip("torch")
+import torch  # the test extra (README) installs it
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "trace_transformers.py")
 C = 16
@@ -165,9 +166,6 @@ def test_example_script_and_cli_replay(tempered, example, tmp_path, capsys):
 
 
 def test_reference_and_fast_traces_compare_clean(tempered, tmp_path):
-    fast = pytest.importorskip("diffusiongemma.fast")
-    if not hasattr(fast, "generate"):
-        pytest.skip("the fast path has no generate yet")
     _, _, ours = tempered
     ids = prompt(seed=2)
     reference = TraceRecorder(layers=True)
