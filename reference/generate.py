@@ -46,6 +46,7 @@ from .sampling import (StableAndConfident, argmax_tokens, check_logits, entropy_
 __all__ = ["GenerationConfig", "GenerationResult", "GenerationCallback", "StepInfo", "CanvasInfo", "generate",
            "DenoisingBackend", "StepOutput", "ReferenceBackend", "run_denoiser", "resolve_config",
            "check_special_ids", "check_prompt", "check_start_canvas", "check_start_sc_logits", "new_token_budget",
+           "check_budget", "run_memory_bytes", "available_memory",
            "STOP_EOS", "STOP_MAX_LENGTH", "STOP_MAX_NEW_TOKENS"]
 
 # Why a row stopped (``GenerationResult.stop_reasons``).
@@ -206,7 +207,9 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     input_ids: (B, P) int token ids in [0, V), P >= 1; with ``cache``, only the tokens not cached yet.
     attention_mask: (B, P) of 0/1 (1 = real token), for left padding. Positions are not shifted for
         padding (trap T18): the model sees pads as occupied positions that no query attends to. Committed
-        canvases are encoded with an all-ones mask (or None when no mask was given).
+        canvases are encoded with an all-ones mask (or None when no mask was given). A row of only zeros
+        with nothing cached has no real token to condition on (upstream fills it with EOS at once): it is
+        refused (``check_budget``); with a cache, an all-zero row continues from that row's cached tokens.
     generation_config: defaults to ``model.generation_config`` if the model has one, else
         ``GenerationConfig()``; ``**overrides`` (e.g. ``max_new_tokens=64``) change fields of it.
     random: the draw source (``draws.py``); None means ``SeededDraws(0)``, an int means ``SeededDraws(int)``.
@@ -236,8 +239,11 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     sequence, until every row is finished; commit the draft; apply the EOS/pad rules; the committed
     (rewritten) canvas is what gets encoded next.
 
-    Returns a ``GenerationResult``. Raises ``InputError`` for bad arrays or a model/denoiser returning the
-    wrong shape or dtype, ``ConfigError`` for bad settings (also EOS/pad ids outside [0, V)),
+    Bounds (``check_budget``, before anything is encoded): the run must fit in ``max_position_embeddings``
+    (cache + prompt + every canvas it may make) and its KV cache and logits in the available memory.
+
+    Returns a ``GenerationResult``. Raises ``InputError`` for bad arrays, a run that cannot fit (with the
+    numbers), or a model/denoiser returning the wrong shape or dtype, ``ConfigError`` for bad settings (also EOS/pad ids outside [0, V)),
     ``SamplingError`` when logits hold NaN / +inf or a position has no finite logit, and
     ``draws.ReplayError`` when a replayed recording does not fit.
     """
@@ -259,6 +265,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
         cache = check_cache(model.new_cache(B) if cache is None else cache, B)
         context_length = P + int(cache.length)  # transformers' cur_len
         n_canvases = math.ceil(new_token_budget(config, context_length) / C)
+        check_budget(model.config, ids, mask, cache, n_canvases)  # refuse what cannot fit, before any work
         if hasattr(cache, "reserve"):  # a preallocated cache sizes itself once for the whole run
             cache.reserve(context_length + n_canvases * C)
         stopper = (StableAndConfident(config.stability_threshold, config.confidence_threshold)
@@ -455,6 +462,77 @@ def new_token_budget(config: GenerationConfig, context_length: int) -> int:
                              f"{context_length} prompt/cached tokens")
         return budget
     return config.max_new_tokens
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process could still allocate (``MemAvailable`` on Linux), None when unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def run_memory_bytes(model_config: Any, batch_size: int, cached: int, total: int) -> int:
+    """Bytes a run adds: float32 keys and values for positions ``cached .. total - 1`` of every layer (a
+    sliding layer keeps at most ``sliding_window - 1``) plus four (B, C, V) float32 logit-sized buffers
+    (logits, processed logits, probabilities, self-conditioning input) of one denoising step."""
+    C, V = int(model_config.canvas_length), int(model_config.vocab_size)
+    per_position = 0  # bytes per (row, position) over the full layers
+    sliding = 0  # bytes per (row, retained position) over the sliding layers
+    for layer, (g, d) in enumerate(zip(model_config.layer_num_key_value_heads, model_config.layer_head_dim)):
+        if model_config.is_sliding(layer):
+            sliding += 2 * 4 * g * d
+        else:
+            per_position += 2 * 4 * g * d
+    window = int(model_config.sliding_window) - 1
+    grown = per_position * (total - cached) + sliding * max(0, min(total, window) - min(cached, window))
+    return batch_size * grown + 4 * 4 * batch_size * C * V
+
+
+def check_budget(model_config: Any, ids: np.ndarray, mask: np.ndarray | None, cache: Any, n_canvases: int) -> None:
+    """Refuse, before anything runs, a generation that cannot fit; ``InputError`` with the numbers.
+
+    * Positions: the cache (L), the prompt (P) and up to ``n_canvases`` canvases of C occupy positions
+      0 .. L + P + n_canvases * C - 1, which must stay below ``max_position_embeddings``.
+    * An ``attention_mask`` row of only zeros with an empty cache: that row has no real token.
+    * Memory, for a cache held in host memory (NumPy arrays): the keys/values the run adds and one
+      step's logit buffers (``run_memory_bytes``) must fit in ``available_memory()``.
+    Checks what ``model_config`` declares (a stand-in config without these fields skips them).
+    """
+    B, P = ids.shape
+    C = int(model_config.canvas_length)
+    L = int(cache.length)
+    end = L + P + n_canvases * C
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit is not None and end > limit:
+        room = (limit - L - P) // C * C
+        raise InputError(f"this run needs positions 0..{end - 1} ({L} cached + {P} prompt + {n_canvases} "
+                         f"canvas(es) of {C}: max_new_tokens rounded up to whole canvases), but the model has "
+                         f"max_position_embeddings={limit}; at most {max(room, 0)} new tokens fit after this prompt")
+    if mask is not None and L == 0:
+        empty = np.flatnonzero(~np.asarray(mask).astype(bool).any(axis=1))
+        if empty.size:
+            raise InputError(f"attention_mask row {int(empty[0])} is all zeros: that row has no real token to "
+                             "generate from (give it at least one 1, or leave the row out)")
+    keys = getattr(cache, "keys", None)
+    host = isinstance(keys, list) and bool(keys) and isinstance(keys[0], np.ndarray)
+    if host and hasattr(model_config, "layer_head_dim"):
+        needed = run_memory_bytes(model_config, B, L, L + P + (n_canvases - 1) * C)
+        free = available_memory()
+        if free is not None and needed > free:
+            raise InputError(f"this run needs about {needed:,} bytes ({needed / 2 ** 30:.2f} GiB: KV cache and "
+                             f"logits for {n_canvases} canvas(es) of {C}, {B} row(s)) but {free:,} bytes "
+                             f"({free / 2 ** 30:.2f} GiB) of memory are available; lower max_new_tokens or the "
+                             "batch size")
 
 
 def check_cache(cache: Any, batch_size: int) -> Any:
