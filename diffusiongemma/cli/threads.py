@@ -48,13 +48,13 @@ def usable_cores() -> int:
     return max(cores, 1)
 
 
-def busy_cores(samples: int = 5, interval: float = 0.002) -> int:
+def busy_cores(samples: int = 5, interval: float = 0.002, loadavg: str = "/proc/loadavg") -> int:
     """Runnable tasks of other processes right now: the median over ``samples`` readings of the kernel's
     count of runnable tasks (``/proc/loadavg``, 4th field), minus this process. 0 where /proc is missing."""
     counts = []
     for n in range(samples):
         try:
-            with open("/proc/loadavg", encoding="ascii") as f:
+            with open(loadavg, encoding="ascii") as f:
                 counts.append(int(f.read().split()[3].split("/")[0]) - 1)  # minus the reading process
         except (OSError, ValueError, IndexError):
             return 0
