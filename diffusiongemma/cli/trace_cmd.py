@@ -4,7 +4,7 @@ first tensor at which two traces part (file format: docs/TRACE_FORMAT.md).
     diffusiongemma trace --prompt "And God said" --seed 0 -o ref.trace          the shipped tiny model
     diffusiongemma trace --model DIR --prompt-ids 2,818,7 --steps 4 -o ref.trace
     diffusiongemma trace --model DIR --replay other.trace -o ours.trace         same prompt, settings, draws
-    diffusiongemma compare ref.trace port.trace [--atol 2e-4] [--rtol 1e-4] [--summary]
+    diffusiongemma compare ref.trace port.trace [--atol 2e-4] [--rtol 1e-4] [--only forward|sampler|all] [--summary]
 
 ``compare`` exits with status 0 when every compared tensor agrees, 1 when a tolerance is exceeded (a
 divergence), and 2 when the files cannot be compared (unreadable, another model, other settings).
@@ -68,6 +68,10 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
                               "~1e-5..1e-4, semantic errors are ~1e-1)")
     compare.add_argument("--rtol", type=non_negative_float, default=DEFAULT_RTOL,
                          help="relative tolerance, times |a|")
+    compare.add_argument("--only", choices=("forward", "sampler", "all"), default="all",
+                         help="forward: the model's tensors (encoder K/V, decoder input, layer outputs, logits); "
+                              "sampler: the loop's (draft, draws, acceptance, canvases, stopping, commits, "
+                              "output); all (default): both. See docs/TRACE_FORMAT.md, 'Golden traces'")
     compare.add_argument("--summary", action="store_true", help="print only the result, not the per-tensor table")
     compare.set_defaults(handler=run_compare)
 
@@ -76,7 +80,7 @@ def run_compare(args) -> int:
     from diffusiongemma.trace import Trace, compare_traces, format_report
 
     with Trace(args.a) as a, Trace(args.b) as b:
-        comparison = compare_traces(a, b, atol=args.atol, rtol=args.rtol)
+        comparison = compare_traces(a, b, atol=args.atol, rtol=args.rtol, only=args.only)
         print(format_report(comparison, table=not args.summary))
     return 0 if comparison.ok else 1
 

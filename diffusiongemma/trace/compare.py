@@ -96,8 +96,22 @@ class _Source:
         return tuple(self.trace.shapes[name])
 
 
-def compare_traces(a: Trace, b: Trace, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL) -> Comparison:
+# ``compare --only``: the groups a port running one part of the model checks (docs/TRACE_FORMAT.md, "Golden
+# traces"). The prompt is in both: it is an input, copied by either kind of port.
+ONLY_GROUPS = {
+    "forward": ("prompt", "encoder_kv", "input_embedding", "layer_output", "logits"),
+    "sampler": ("prompt", "sampler", "commit", "output"),
+    "all": GROUPS,
+}
+
+
+def compare_traces(a: Trace, b: Trace, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
+                   only: str = "all") -> Comparison:
     """Compare two traces tensor by tensor in run order (``a`` is the reference side of ``rtol``).
+
+    ``only``: "forward" compares the model's tensors (encoder K/V, decoder input, layer outputs, logits),
+    "sampler" the loop's (temperature, draft, draws, entropies, acceptance, canvases, stopping, commits,
+    output), "all" (default) everything; the groups left out are listed in ``Comparison.skipped``.
 
     Raises ``TraceError`` when the traces cannot describe the same run: different model shapes or config
     hashes, different generation settings, or no tensor in common. Groups recorded by only one trace are
@@ -108,6 +122,8 @@ def compare_traces(a: Trace, b: Trace, atol: float = DEFAULT_ATOL, rtol: float =
     for name, value in (("atol", atol), ("rtol", rtol)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise TraceError(f"{name} must be a finite number >= 0, got {value!r}")
+    if only not in ONLY_GROUPS:
+        raise TraceError(f"only must be one of {sorted(ONLY_GROUPS)}, got {only!r}")
     out = Comparison(a.path, b.path, float(atol), float(rtol))
     _check_same_run(a, b, out)
     mode_a, mode_b = a.header["logits"]["mode"], b.header["logits"]["mode"]
@@ -118,9 +134,11 @@ def compare_traces(a: Trace, b: Trace, atol: float = DEFAULT_ATOL, rtol: float =
                          "derived from the full logits for the comparison")
     source_a = _Source(a, k if mode_a == "full" else None)
     source_b = _Source(b, k if mode_b == "full" else None)
-    common = a.groups & b.groups
+    allowed = set(ONLY_GROUPS[only])
+    common = a.groups & b.groups & allowed
     for group in sorted((a.groups | b.groups) - common, key=GROUPS.index):
-        out.skipped[group] = f"only in {a.path if group in a.groups else b.path}"
+        out.skipped[group] = (f"left out by --only {only}" if group not in allowed
+                              else f"only in {a.path if group in a.groups else b.path}")
     names = _merge_orders([n for n in source_a.names if source_a.entries[n]["group"] in common],
                           [n for n in source_b.names if source_b.entries[n]["group"] in common])
     if not names:
