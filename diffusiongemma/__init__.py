@@ -1,9 +1,18 @@
 """diffusiongemma: the executable specification of Google's DiffusionGemma.
 
-Subpackages:
-    diffusiongemma.reference          pure-NumPy definition of the model and the sampler
-    diffusiongemma.fast               compiled paths with the same interfaces (Cython CPU, CuPy GPU)
-    diffusiongemma.weights_converter  transformers checkpoints -> the project's weight format
+Subpackages (folder in the repository -> import path):
+    reference/                 diffusiongemma.reference          the pure-NumPy definition of model and sampler
+    fast/                      diffusiongemma.fast               compiled paths with the same interfaces
+    fast/gpu/                  diffusiongemma.fast.gpu           CuPy + CUDA kernels for NVIDIA GPUs
+    weights_converter/         diffusiongemma.weights_converter  transformers / GGUF checkpoints -> the project's format
+    diffusiongemma/trace/      diffusiongemma.trace              golden traces: record, store, compare
+    diffusiongemma/cli/        diffusiongemma.cli                the ``diffusiongemma`` command
+Modules of the root: ``checkpoint`` (checkpoint directories, tokenizer, chat template, the shipped model in
+``assets/``), ``torch_replay`` (torch's CPU generator replayed in NumPy, for the tests).
 """
 
 __version__ = "0.1.0"
+
+# Wire the converter's file-format readers (transformers directories, GGUF files) into the reference's
+# loader. The dependency points one way: the converter builds on the reference, never the reverse.
+from . import weights_converter as _formats  # noqa: E402,F401

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Mapping
+from typing import Callable, Mapping
 
 import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype used by safetensors)
 import numpy as np
@@ -308,28 +308,33 @@ def _read_weight_files(path: str, base: str, index: dict, config: ModelConfig) -
     return tensors
 
 
+# Other file formats (a transformers directory, a llama.cpp GGUF file) are read by the converter, which
+# registers its readers here when the package loads (``diffusiongemma/__init__.py``): the specification
+# never imports the converter, and the converter builds on the specification.
+_READERS: list[tuple[str, Callable[[str], bool], Callable[[str], tuple]]] = []
+
+
+def register_checkpoint_reader(name: str, matches: Callable[[str], bool], read: Callable[[str], tuple]) -> None:
+    """Teach ``load_checkpoint`` another format: ``matches(path)`` says whether ``read(path)`` applies;
+    ``read`` returns ``(config, float32 tensors)``. Registering a name again replaces that reader."""
+    _READERS[:] = [r for r in _READERS if r[0] != name] + [(name, matches, read)]
+
+
 def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """``(config, float32 tensors)`` of a converted directory or of a transformers directory.
+    """``(config, float32 tensors)`` of a checkpoint: a converted directory (read here), or any format a
+    registered reader knows (the converter registers a transformers directory and a GGUF file).
 
-    A transformers directory (``config.json`` + safetensors) is converted in memory by
-    ``diffusiongemma.weights_converter`` (the one place the reference reaches the converter). Raises
-    ``CheckpointError`` when ``path`` does not exist or is neither kind, or when its tensors are wrong, and
-    ``ConfigError`` for an invalid config. Every backend's ``Model.from_pretrained`` loads through this.
+    Raises ``CheckpointError`` when ``path`` does not exist or is no known kind, or when its tensors are
+    wrong, and ``ConfigError`` for an invalid config. Every backend's ``Model.from_pretrained`` loads
+    through this.
     """
-    if os.path.isfile(path) and os.fspath(path).lower().endswith(".gguf"):  # llama.cpp file (weights_converter/gguf.py)
-        from diffusiongemma.weights_converter.gguf import load_gguf_checkpoint
-
-        return load_gguf_checkpoint(path)
-    if os.path.isfile(path):
-        raise CheckpointError(f"{str(path)!r} is a file; a model is a directory (a converted diffusiongemma "
-                              f"checkpoint with {INDEX_FILE}, or a transformers checkpoint with config.json)")
-    if not os.path.isdir(path):
-        raise CheckpointError(f"model directory {str(path)!r} does not exist")
-    if is_converted_checkpoint(path):
+    path = os.fspath(path)
+    if os.path.isdir(path) and is_converted_checkpoint(path):
         return load_converted(path)
-    if os.path.isfile(os.path.join(path, "config.json")):
-        from diffusiongemma.weights_converter import load_transformers_checkpoint
-
-        return load_transformers_checkpoint(path)
-    raise CheckpointError(f"{str(path)!r} is neither a converted diffusiongemma checkpoint "
-                          f"({INDEX_FILE}) nor a transformers checkpoint (config.json)")
+    for _, matches, read in _READERS:
+        if matches(path):
+            return read(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"model path {path!r} does not exist")
+    known = ", ".join([f"a converted diffusiongemma directory ({INDEX_FILE})"] + [name for name, _, _ in _READERS])
+    raise CheckpointError(f"{path!r} is not a checkpoint this project reads; it reads {known}")

@@ -73,7 +73,7 @@ def test_missing_model_directory(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         Model.from_pretrained(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="neither"):
+    with pytest.raises(CheckpointError, match="not a checkpoint this project reads; it reads a converted"):
         Model.from_pretrained(tmp_path / "empty")
 
 

@@ -8,6 +8,30 @@ tensor by tensor), ``writer`` (storage casts, shards, atomic output), ``conversi
 accounts for every tensor, and the two entry points), ``cli`` (argparse front end).
 """
 
+import os
+
+from diffusiongemma.reference.weights import register_checkpoint_reader
+
 from .conversion import DEFAULT_SHARD_SIZE, ConversionSummary, convert, load_transformers_checkpoint
+
+
+def _is_transformers_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def _is_gguf_file(path: str) -> bool:
+    return os.path.isfile(path) and path.lower().endswith(".gguf")
+
+
+def _read_gguf(path: str):
+    from .gguf import load_gguf_checkpoint  # imports the gguf package only when a GGUF file is read
+
+    return load_gguf_checkpoint(path)
+
+
+# the formats ``reference.weights.load_checkpoint`` reads through the converter
+register_checkpoint_reader("a transformers checkpoint directory (config.json + safetensors)", _is_transformers_dir,
+                           load_transformers_checkpoint)
+register_checkpoint_reader("a llama.cpp GGUF file (architecture diffusion-gemma)", _is_gguf_file, _read_gguf)
 
 __all__ = ["DEFAULT_SHARD_SIZE", "ConversionSummary", "convert", "load_transformers_checkpoint"]
