@@ -223,6 +223,9 @@ def _pyplot():
 
 def _canvas_ticks(ax, record: DenoisingRecord) -> None:
     C = record.canvas_length
+    if len(record.canvases) == 1:  # positions as they are
+        ax.set_ylabel("position in canvas")
+        return
     for k in range(1, len(record.canvases)):
         ax.axhline(k * C - 0.5, color="white", linewidth=1.2)
     ax.set_yticks([(k + 0.5) * C - 0.5 for k in range(len(record.canvases))])
