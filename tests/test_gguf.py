@@ -444,10 +444,12 @@ def test_f32_file_is_the_transformers_model(tmp_path, hf, prompt):
         assert np.max(np.abs(a - b)) < ATOL
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q4_K, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1],
+                         ids=lambda q: q.name)
 def test_quantized_file_matches_transformers(tmp_path, hf, prompt, qtype):
     """The type's per-weight bound, our own decoding of the blocks, and (same rounding on both sides) logits
-    equal to transformers' within float32 noise."""
+    equal to transformers' within float32 noise. The legacy 32-blocks (Q4_0..Q5_1, quantized by the gguf
+    package itself) get the same-rounding check only."""
     path = write_gguf(tmp_path / f"m-{qtype.name}.gguf", hf, qtype)
     checkpoint = GGUFCheckpoint.open(path)
     matrix_types = {checkpoint.tensors[n].tensor_type for n in checkpoint.tensors
@@ -705,3 +707,21 @@ def test_type_without_dequantizer_is_named(tmp_path, hf):
     _set_tensor_type(path, "blk.4.ffn_gate_inp.scale", int(Q.I32))  # same element size as F32
     with pytest.raises(CheckpointError, match=r"tensor 'blk\.4\.ffn_gate_inp\.scale' has type I32"):
         Model.from_pretrained(path)
+
+
+def test_tensors_are_dequantized_one_at_a_time(tmp_path, hf):
+    """Streaming: reading the whole file while dropping each tensor peaks near the largest tensor, not the sum."""
+    import tracemalloc
+
+    from diffusiongemma.weights_converter.gguf import iter_gguf_tensors
+
+    checkpoint = GGUFCheckpoint.open(write_gguf(tmp_path / "m.gguf", hf, Q.Q4_K))
+    sizes = [4 * int(np.prod(checkpoint.numpy_shape(n))) for n in checkpoint.tensors]
+    tracemalloc.start()
+    try:
+        for _, array in iter_gguf_tensors(checkpoint):
+            del array
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * max(sizes) < sum(sizes) / 3, (peak, max(sizes), sum(sizes))

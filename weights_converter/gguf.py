@@ -140,6 +140,8 @@ class GGUFCheckpoint:
             reader = GGUFReader(path, "r")
         except Exception as exc:  # the reader raises ValueError/IndexError/KeyError on malformed headers
             raise CheckpointError(_diagnose(path) or f"{path}: not a readable GGUF file ({exc})") from exc
+        if reader.byte_order != "I":  # tensor bytes are read directly below, in this machine's order
+            raise CheckpointError(f"{path}: a GGUF file of the other byte order (big-endian) is not supported")
         size = os.path.getsize(path)
         for tensor in reader.tensors:
             if tensor.data_offset + tensor.n_bytes > size:
