@@ -303,6 +303,9 @@ def _read_weight_files(path: str, base: str, index: dict, config: ModelConfig) -
                                               f"{INDEX_FILE} says dtype {index['dtype']!r} ({want_dtype})")
                     tensors[name] = to_float32(f.get_tensor(name), name)
         except (SafetensorError, OSError) as exc:
+            if not os.path.isfile(os.path.join(base, INDEX_FILE)):  # the directory went away under us
+                raise CheckpointChanged(f"{path}: the checkpoint was replaced while it was being read "
+                                        f"({filename} vanished); read it again") from exc
             raise CheckpointError(f"{file_path}: unreadable safetensors file ({exc})") from exc
     check_tensors(tensors, config)
     return tensors
