@@ -27,6 +27,7 @@ PACKAGE_DIRS = {
     "diffusiongemma": "diffusiongemma",
     "diffusiongemma.cli": "diffusiongemma/cli",
     "diffusiongemma.trace": "diffusiongemma/trace",
+    "diffusiongemma.crosscheck": "diffusiongemma/crosscheck",
     "diffusiongemma.reference": "reference",
     "diffusiongemma.fast": "fast",
     "diffusiongemma.fast.gpu": "fast/gpu",
@@ -157,8 +158,12 @@ setup(
             "torch==2.13.0",
             "transformers==5.24.0",
             "matplotlib>=3.7",  # tests/test_plot.py draws every figure of `diffusiongemma plot`
+            "diffusers>=0.42.1",  # tests/test_crosscheck.py (clean install measured at 2.4 min on 2 cores)
         ],
         "plot": ["matplotlib>=3.7"],  # diffusiongemma plot (pictures of the denoising)
+        "mlx": ["mlx[cpu]>=0.32.4; sys_platform == 'linux'", "mlx>=0.32.4; sys_platform == 'darwin'",
+                "mlx-vlm>=0.7.10", "torch==2.13.0", "transformers==5.24.0"],  # crosscheck mlx-vlm (1.1 GB, 5 min)
+        "diffusers": ["diffusers>=0.42.1", "torch==2.13.0", "transformers==5.24.0"],  # crosscheck diffusers
         "gpu": ["cupy-cuda12x>=13"],  # CUDA 12 drivers
         "gpu-cuda13": ["cupy-cuda13x>=14"],  # CUDA 13 drivers
     },
