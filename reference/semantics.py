@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
+from .cache import KVCache
 from .errors import ConfigError
 from .sampling import (argmax_tokens, check_logits, entropy_bound_accept, finalize_canvas, renoise,
                        softmax_and_entropy, temperature as float32_temperature)
@@ -46,7 +47,8 @@ from .sampling import (argmax_tokens, check_logits, entropy_bound_accept, finali
 __all__ = ["Semantics", "SEMANTICS", "SWITCHES", "get_semantics", "schedule_temperature", "scale_for_sc",
            "ArgmaxHistoryStop", "InputCanvasStop", "HeldCounterStop", "make_stopper", "committed_tokens",
            "finalize_variant", "trim_output", "canvas_length_for", "confidence_threshold_accept",
-           "block_refinement_accept", "ar_euler_accept", "VariantBackend", "sliding_window_keys"]
+           "block_refinement_accept", "ar_euler_accept", "VariantBackend", "sliding_window_keys", "variant_backend",
+           "variant_cache", "WideWindowCache"]
 
 # ------------------------------------------------------------------------------------------ choice values
 COMMIT_ARGMAX, COMMIT_SAMPLED, COMMIT_SAMPLED_UNLESS_STOPPED = "argmax", "sampled", "sampled-unless-stopped"
@@ -569,3 +571,37 @@ class VariantBackend:
         kept = np.where(accepted, sampled, self.input_canvas)
         self.revealed = self.revealed | accepted
         return accepted, np.where(self.revealed, kept, noise).astype(np.int64)
+
+
+def variant_backend(semantics: Semantics, model: Any, draws: Any, denoiser: Callable | None, observer: Any,
+                    max_steps: int) -> VariantBackend:
+    """The ``VariantBackend`` of a run with ``semantics``: over ``denoiser``, else ``model.denoise`` (told the
+    variant's sliding window when it is not transformers' W-1). A model's own fast backend is not used:
+    variants run on the reference's per-step compute."""
+    denoise = denoiser
+    if denoise is None:
+        if semantics.canvas_window == WINDOW_W1:
+            denoise = model.denoise
+        else:
+            def denoise(canvas, cache, sc_logits, _denoise=model.denoise, _rule=semantics.canvas_window):
+                return _denoise(canvas, cache, sc_logits, canvas_window=_rule)
+    return VariantBackend(semantics, denoise, draws, int(model.config.vocab_size), max_steps, observer)
+
+
+def variant_cache(semantics: Semantics, model: Any, batch_size: int) -> Any:
+    """The cache of a run with ``semantics``: ``model.new_cache``, except that the ``W`` window needs sliding
+    layers to retain W prompt keys instead of W-1 (``WideWindowCache``)."""
+    cache = model.new_cache(batch_size)
+    if semantics.canvas_window != WINDOW_W:
+        return cache
+    if type(cache) is not KVCache:
+        raise ConfigError("canvas_window 'W' needs the reference's KVCache (a model with another cache cannot "
+                          "retain W prompt keys)")
+    return WideWindowCache(cache.config, cache.batch_size)
+
+
+class WideWindowCache(KVCache):
+    """A ``KVCache`` whose sliding layers retain the last W keys (JAX releases before 2026-07-06)."""
+
+    def layer_capacity(self, layer: int) -> int | None:
+        return self.config.sliding_window if self.config.is_sliding(layer) else None

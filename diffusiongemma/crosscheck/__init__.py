@@ -81,6 +81,17 @@ def _settings(model_dir: str, model: Any, canvases: int):
     return settings.replace(max_new_tokens=canvases * int(model.config.canvas_length), max_length=None)
 
 
+def _image_token_id(model_dir: str, vocab_size: int) -> int | None:
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            value = json.load(f).get("image_token_id")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) and 0 <= value < vocab_size else None
+
+
 def _describe_semantics(semantics: Any) -> str:
     from diffusiongemma.reference.semantics import SEMANTICS
 
@@ -125,7 +136,7 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
         if model_dir is None:
             from .tiny import TinySettings, write_tiny_checkpoint
 
-            model_dir, label = write_tiny_checkpoint(os.path.join(tmp, "tiny"), TinySettings(final_norm_gain=6.0)), TINY_MODEL
+            model_dir, label = write_tiny_checkpoint(os.path.join(tmp, "tiny"), TinySettings()), TINY_MODEL
         else:
             model_dir, label = os.fspath(model_dir), os.fspath(model_dir)
             if not os.path.isfile(os.path.join(model_dir, "config.json")):
@@ -134,7 +145,8 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
         ours_model = Model.from_pretrained(model_dir)
         adapter = module.Peer(model_dir, tmp)
         settings = _settings(model_dir, ours_model, canvases)
-        x = forward_inputs(ours_model.config, seed, settings.t_max if settings.t_max is not None else 1.0)
+        x = forward_inputs(ours_model.config, seed, settings.t_max if settings.t_max is not None else 1.0,
+                           _image_token_id(model_dir, ours_model.config.vocab_size))
         ours = reference_forward(ours_model, x)
         tol, note = tolerances(ours_model, x, ours)
         report = Report(peer=peer, peer_version=peer_version, model=label, tolerance_note=note,
@@ -143,7 +155,12 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
         C = int(ours_model.config.canvas_length)
         from diffusiongemma.reference.semantics import SEMANTICS
 
-        for label_k, semantics, options in _configurations(peer):
+        early = settings.replace(confidence_threshold=max(1.0, settings.confidence_threshold or 0.0),
+                                 stability_threshold=settings.stability_threshold or 1)
+        runs = [(label_k, semantics, options, settings) for label_k, semantics, options in _configurations(peer)]
+        runs += [(label_k + f"; early stopping (confidence_threshold {early.confidence_threshold})", semantics,
+                  options, early) for label_k, semantics, options in _configurations(peer)]
+        for label_k, semantics, options, settings in runs:
             run = adapter.generate(x.prompt, settings, seed, options)
             row = GenerationRow(label=label_k, semantics=_describe_semantics(semantics), draws="replayed",
                                 peer_tokens=run.tokens)
@@ -156,6 +173,11 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
             if semantics.name != "transformers" or not semantics.is_default:
                 report.defects.extend(_versus_transformers(ours_model, x.prompt, settings, run, label_k, C,
                                                            logit_tol, SEMANTICS["transformers"]))
+        probe = next((r for r in report.forward if r.probe), None)
+        if probe is not None and not probe.ok:
+            report.defects.append(f"the image placeholder id {x.image_token_id} in a text-only context is encoded "
+                                  f"differently from transformers (max |d| {probe.max_abs_diff:.2e} on the next "
+                                  "canvas's logits): the peer treats it as an image slot without an image")
         report.adaptations = list(adapter.adaptations)
         report.defects = list(adapter.defects) + report.defects
         return report
@@ -163,6 +185,9 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
 
 def _versus_transformers(model, prompt, settings, run, label, C, tol, semantics) -> list[str]:
     """Where transformers' semantics would part from the peer on the same draws (a known difference)."""
+    if not any(kind == "categorical" for kind, _ in run.tape):
+        return [f"{label}: differs from transformers by construction: its proposals are argmaxes (temperature 0), "
+                "transformers draws them from the tempered distribution"]
     try:
         tokens, calls = _run_ours(model, prompt, settings, semantics, run.tape)
     except Exception as exc:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import ForwardInputs, PeerRun, PeerUnavailable
+from .common import ForwardInputs, PeerRun, PeerUnavailable, run_forward
 
 NAME = "mlx-vlm"
 SEMANTICS = "mlx-vlm"
@@ -107,16 +107,26 @@ class Peer:
         import mlx.core as mx
 
         m = self.model
-        cache = m.diffusion_prefill_cache(mx.array(x.prompt), attention_mask=None, cache=m.make_cache(),
-                                          pixel_values=None, mm_token_type_ids=None, prefill_step_size=None,
-                                          chunk_prefill=False)
-        prefill = self._denoise(cache, x.canvas, None)
-        with_sc = self._denoise(cache, x.canvas, (prefill / np.float32(x.temperature)).astype(np.float32))
-        cache = m.diffusion_update_cache(mx.array(np.argmax(with_sc, axis=-1)), cache=cache)
-        return {"prefill": prefill, "self-conditioning": with_sc, "after commit": self._denoise(cache, x.canvas2, None)}
+
+        def new_cache():
+            return [m.make_cache(), True]
+
+        def encode(state, ids):
+            if state[1]:  # the prompt: mlx-vlm's prefill entry point
+                state[0] = m.diffusion_prefill_cache(mx.array(ids), attention_mask=None, cache=state[0],
+                                                     pixel_values=None, mm_token_type_ids=None,
+                                                     prefill_step_size=None, chunk_prefill=False)
+            else:  # a committed canvas
+                state[0] = m.diffusion_update_cache(mx.array(ids), cache=state[0])
+            state[1] = False
+            return state
+
+        return run_forward(x, new_cache, encode, lambda state, c, sc: self._denoise(state[0], c, sc))
 
     # -------------------------------------------------------------------------------------- generation
     def _tokenizer(self, eos_ids: list[int]):
+        from pathlib import Path
+
         from mlx_vlm.tokenizer_utils import load_tokenizer
         from mlx_vlm.utils import StoppingCriteria
         from transformers import PreTrainedTokenizerFast
@@ -125,7 +135,7 @@ class Peer:
         if not os.path.isfile(file):
             raise PeerUnavailable(f"mlx-vlm generation needs a tokenizer.json in {self.path!r}")
         tok = PreTrainedTokenizerFast(tokenizer_file=file)
-        tok.detokenizer = load_tokenizer(self.path, return_tokenizer=False)(tok)
+        tok.detokenizer = load_tokenizer(Path(self.path), return_tokenizer=False)(tok)
         tok.stopping_criteria = StoppingCriteria(list(eos_ids), tok)
         return tok
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import ForwardInputs, PeerRun, PeerUnavailable
+from .common import ForwardInputs, PeerRun, PeerUnavailable, run_forward
 
 NAME = "transformers"
 SEMANTICS = "transformers"
@@ -76,12 +76,11 @@ class Peer:
         return logits.numpy()
 
     def forward(self, x: ForwardInputs) -> dict[str, np.ndarray]:
-        cache = self._cache()
-        self._encode(cache, x.prompt)
-        prefill = self._denoise(cache, x.canvas, None)
-        with_sc = self._denoise(cache, x.canvas, (prefill / np.float32(x.temperature)).astype(np.float32))
-        self._encode(cache, np.argmax(with_sc, axis=-1).astype(np.int64))
-        return {"prefill": prefill, "self-conditioning": with_sc, "after commit": self._denoise(cache, x.canvas2, None)}
+        def encode(cache, ids):
+            self._encode(cache, ids)
+            return cache
+
+        return run_forward(x, self._cache, encode, self._denoise)
 
     # -------------------------------------------------------------------------------------- generation
     def generate(self, prompt: np.ndarray, settings: Any, seed: int, options: dict) -> PeerRun:
