@@ -25,27 +25,21 @@ def cores(monkeypatch):
 def test_thread_count_is_the_free_cores(cores, usable, busy, expected):
     cores(usable, busy)
     env = {}
-    assert threads.configure_threads(env, force=True) == expected
+    assert threads.configure_threads(env, limit_loaded=False) == expected
     assert all(env[name] == str(expected) for name in threads.COUNT_VARIABLES)
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert threads.describe(env) == {"threads": expected, "chosen_by": "diffusiongemma", "wait_policy": "PASSIVE"}
+    described = threads.describe(env)
+    assert (described["threads"], described["chosen_by"], described["wait_policy"]) == (expected, "diffusiongemma",
+                                                                                        "PASSIVE")
 
 
 @pytest.mark.parametrize("given", threads.COUNT_VARIABLES)
 def test_a_users_setting_wins(cores, given):
     cores(8, 0)
     env = {given: "3", "OMP_WAIT_POLICY": "ACTIVE"}
-    assert threads.configure_threads(env, force=True) is None
+    assert threads.configure_threads(env) is None
     assert env == {given: "3", "OMP_WAIT_POLICY": "ACTIVE"}
     assert threads.describe(env)["chosen_by"] == "environment"
-
-
-def test_nothing_changes_once_numpy_is_loaded(cores):
-    import numpy  # noqa: F401  (the libraries have read their settings by now)
-
-    cores(8, 0)
-    env = {}
-    assert threads.configure_threads(env) is None and env == {}
 
 
 def test_busy_cores_reads_the_runnable_count(tmp_path):
@@ -55,21 +49,21 @@ def test_busy_cores_reads_the_runnable_count(tmp_path):
     assert threads.busy_cores(loadavg=str(tmp_path / "missing")) == 0
 
 
-def test_entry_point_sets_blas_threads_before_numpy_loads():
-    """In a fresh process, importing the command line sizes OpenBLAS/OpenMP before NumPy is imported."""
+def run_cli(env) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "diffusiongemma", "generate", "And God said", "-n", "32", "--steps",
+                           "2", "--seed", "1", "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["threads"]
+
+
+def test_the_command_runs_blas_on_the_chosen_threads():
+    """A real run without thread variables: OpenBLAS (loaded when the package is imported) runs on the count
+    chosen, and later libraries get it through the environment; a user's OMP_NUM_THREADS is kept."""
     env = {k: v for k, v in os.environ.items() if k not in threads.COUNT_VARIABLES and k != "OMP_WAIT_POLICY"}
-    code = ("import json, os, diffusiongemma.cli.main, numpy, threadpoolctl; "
-            "info = threadpoolctl.threadpool_info(); "
-            "print(json.dumps({'env': {k: os.environ.get(k) for k in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', "
-            "'OMP_WAIT_POLICY')}, 'blas': [i['num_threads'] for i in info if i['internal_api'] == 'openblas']}))")
-    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                                    timeout=120, check=True).stdout)
-    count = int(out["env"]["OMP_NUM_THREADS"])
-    assert 1 <= count <= threads.usable_cores()
-    assert out["env"]["OPENBLAS_NUM_THREADS"] == str(count) and out["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert out["blas"] and set(out["blas"]) == {count}
-    env["OMP_NUM_THREADS"] = "1"
-    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                                    timeout=120, check=True).stdout)
-    assert out["env"]["OMP_NUM_THREADS"] == "1" and out["env"]["OPENBLAS_NUM_THREADS"] is None
-    assert set(out["blas"]) == {1}
+    chosen = run_cli(env)
+    assert chosen["chosen_by"] == "diffusiongemma" and chosen["wait_policy"] == "PASSIVE"
+    assert 1 <= chosen["threads"] <= threads.usable_cores()
+    assert chosen["blas_threads"] and set(chosen["blas_threads"]) == {chosen["threads"]}
+    given = run_cli({**env, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE"})
+    assert (given["threads"], given["chosen_by"], given["wait_policy"]) == (1, "environment", "ACTIVE")
+    assert set(given["blas_threads"]) == {1}

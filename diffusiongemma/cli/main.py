@@ -14,14 +14,11 @@ input (the message names it), 130 interrupted (Ctrl-C).
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import sys
 
 from .threads import configure_threads
-
-configure_threads()  # before anything loads NumPy / BLAS / OpenMP (threads.py); no-op when already loaded
-
-import argparse  # noqa: E402
-import importlib  # noqa: E402
 
 # The subcommands: (module under diffusiongemma.cli, its commands). Each module has ``register(commands,
 # formatter)``, which adds its subparsers and sets ``handler`` (a function of the parsed arguments returning
@@ -65,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = "diffusiongemma"
     try:
+        configure_threads()  # BLAS and OpenMP sized to the free cores, passive waits (threads.py)
         args = build_parser().parse_args(argv)
         command = f"diffusiongemma {args.command}"
         if getattr(args, "takes_argv", False):

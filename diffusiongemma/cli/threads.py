@@ -16,14 +16,16 @@ taking the cores from the threads doing the work.
 
 An explicit setting wins: with any of ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``,
 ``GOTO_NUM_THREADS``, ``BLIS_NUM_THREADS`` in the environment, no count is changed (``OMP_WAIT_POLICY`` is
-still defaulted to PASSIVE unless set). The variables are read once, when the libraries load, so this must run
-before ``import numpy``; it does nothing when NumPy is already loaded (e.g. inside a test process).
+still defaulted to PASSIVE unless set).
+
+The libraries read the variables once, when they load. Libraries loaded later (the fast path's OpenMP
+runtime) follow the variables; a BLAS already loaded (importing the package loads NumPy) is limited at run
+time with threadpoolctl. ``main`` calls this first, so importing the command line changes nothing.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import MutableMapping
 
@@ -69,15 +71,17 @@ def choose_thread_count() -> int:
     return max(1, usable_cores() - busy_cores())
 
 
-def configure_threads(environ: MutableMapping[str, str] | None = None, *, force: bool = False) -> int | None:
-    """Set the thread variables in ``environ`` (default ``os.environ``) as the module docstring says.
+_limits = None  # the threadpoolctl limiter in force (kept referenced for the life of the process)
 
-    Returns the thread count set, or None when the user's own setting was kept (or NumPy was already loaded
-    and ``force`` is False: the libraries have read their settings by then).
+
+def configure_threads(environ: MutableMapping[str, str] | None = None, *, limit_loaded: bool = True) -> int | None:
+    """Set the thread variables in ``environ`` (default ``os.environ``) as the module docstring says, and
+    (``limit_loaded``) limit the BLAS libraries already loaded to the same count.
+
+    Returns the thread count set, or None when the user's own setting was kept.
     """
+    global _limits
     environ = os.environ if environ is None else environ
-    if "numpy" in sys.modules and not force:
-        return None
     environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if any(name in environ for name in COUNT_VARIABLES):
         return None
@@ -85,12 +89,23 @@ def configure_threads(environ: MutableMapping[str, str] | None = None, *, force:
     for name in COUNT_VARIABLES:
         environ[name] = str(count)
     environ[_SET_BY_US] = str(count)
+    if limit_loaded:
+        from threadpoolctl import threadpool_limits
+
+        _limits = threadpool_limits(limits=count, user_api="blas")
     return count
+
+
+def blas_threads() -> list[int]:
+    """Threads of every BLAS library loaded in this process, as threadpoolctl reports them."""
+    from threadpoolctl import threadpool_info
+
+    return [int(info["num_threads"]) for info in threadpool_info() if info.get("user_api") == "blas"]
 
 
 def describe(environ: MutableMapping[str, str] | None = None) -> dict:
     """What the run uses: ``{"threads": n or None, "chosen_by": "diffusiongemma" | "environment" | "library
-    default", "wait_policy": ...}`` (reported in ``generate --json``)."""
+    default", "wait_policy": ..., "blas_threads": [threads of each loaded BLAS]}`` (``generate --json``)."""
     environ = os.environ if environ is None else environ
     ours = environ.get(_SET_BY_US)
     given = next((environ[name] for name in COUNT_VARIABLES if name in environ), None)
@@ -104,4 +119,5 @@ def describe(environ: MutableMapping[str, str] | None = None) -> dict:
         threads = int(given) if given is not None else None
     except ValueError:
         threads = None
-    return {"threads": threads, "chosen_by": chosen_by, "wait_policy": environ.get("OMP_WAIT_POLICY")}
+    return {"threads": threads, "chosen_by": chosen_by, "wait_policy": environ.get("OMP_WAIT_POLICY"),
+            "blas_threads": blas_threads()}
