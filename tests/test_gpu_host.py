@@ -1,12 +1,9 @@
-"""The GPU fast path's host side, run on the CPU: ``fast/gpu.py`` on an emulated device (NumPy arrays and a
-NumPy version of every kernel, tests/gpu_emulation.py) against the reference model and loop.
-
-What this covers without a GPU: weight upload and fusion, the device cache (rings, growth, padding,
-conversion), the encoder and decoder orchestration (every launch's shapes, dtypes, grid and arguments,
-checked by gpu_launch and by the emulated device), the self-conditioning buffer discipline, and the
-generation loop (draw order, freezing of finished rows, EOS/pad, callbacks) compared with the reference
-loop bit for bit on identical logits. What it cannot cover: the CUDA kernels' own arithmetic (that is
-tests/test_gpu_equivalence.py, on a GPU).
+"""The GPU fast path's host side (``fast/gpu/model.py``, ``cache.py``, ``sampling.py``) on the simulated
+device ("cuda-sim": the real CUDA kernels executed on the CPU by fast/gpu/sim, every check on): weight
+upload and fusion, the device cache (rings, growth, padding, conversion), input errors, the launches of a
+decoder pass, the self-conditioning buffer discipline (one (C x V) buffer per row), and the generation loop
+(draw order, freezing of finished rows, EOS/pad, callbacks) against the reference loop bit for bit on
+identical logits. The model's numbers against the reference are tests/test_gpu_equivalence.py.
 """
 
 from __future__ import annotations
@@ -15,8 +12,6 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from diffusiongemma.fast import gpu
 from diffusiongemma.reference.config import ModelConfig, RopeParameters
@@ -25,7 +20,7 @@ from diffusiongemma.reference.errors import InputError, SamplingError
 from diffusiongemma.reference.generate import generate as reference_generate
 from diffusiongemma.reference.model import Model as ReferenceModel
 from diffusiongemma.reference.weights import expected_shapes
-from tests.gpu_emulation import EmulatedDevice
+from diffusiongemma.fast.gpu.sim import SimDevice
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -62,7 +57,7 @@ def random_tensors(config: ModelConfig, seed: int = 0, final_norm_gain: float = 
 
 def pair(config: ModelConfig, seed: int = 0, final_norm_gain: float = 1.0):
     tensors = random_tensors(config, seed, final_norm_gain)
-    return ReferenceModel(config, tensors), gpu.Model(config, tensors, device=EmulatedDevice())
+    return ReferenceModel(config, tensors), gpu.Model(config, tensors, device=SimDevice(record=True))
 
 
 def close(a, b, tol=2e-4):
@@ -74,42 +69,6 @@ def close(a, b, tol=2e-4):
 
 
 # ------------------------------------------------------------------------------------------------ model
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data())
-def test_forward_matches_reference(data):
-    """Prefill, a second encode (ring wrap), decoder with and without self-conditioning, left padding."""
-    layers = data.draw(st.sampled_from([(SLIDING, SLIDING, FULL, SLIDING, FULL), (FULL,), (SLIDING, FULL)]))
-    heads, kv = data.draw(st.sampled_from([(4, 2), (4, 1), (4, 4), (2, 1)]))
-    window = data.draw(st.integers(2, 12))
-    B = data.draw(st.integers(1, 3))
-    P = data.draw(st.integers(1, 20))
-    config = tiny_config(layer_types=layers, heads=heads, kv=kv, kv_full=min(kv, 2) if heads % min(kv, 2) == 0 else 1,
-                         window=window)
-    ref, fast = pair(config, seed=data.draw(st.integers(0, 3)))
-    rng = np.random.default_rng(P * 7 + B)
-    ids = rng.integers(3, config.vocab_size, size=(B, P))
-    mask = np.ones((B, P), dtype=np.int64)
-    if B > 1 and P > 3:
-        mask[1, : data.draw(st.integers(1, P - 1))] = 0  # left padding on row 1
-    rc, fc = ref.new_cache(B), fast.new_cache(B)
-    close(fast.encode(ids, fc, mask), ref.encode(ids, rc, mask), tol=5e-4)
-    canvas = rng.integers(0, config.vocab_size, size=(B, config.canvas_length))
-    z = ref.denoise(canvas, rc)
-    close(fast.denoise(canvas, fc), z)
-    sc = z / np.float32(0.7)
-    close(fast.denoise(canvas, fc, sc), ref.denoise(canvas, rc, sc))
-    # commit the canvas and go on: the incremental encode wraps the sliding rings
-    ref.encode(canvas, rc)
-    fast.encode(canvas, fc)
-    mine = fc.to_reference()
-    for l in range(config.num_hidden_layers):
-        close(mine.keys[l], rc.keys[l])
-        close(mine.values[l], rc.values[l])
-    np.testing.assert_array_equal(mine.is_real, rc.is_real)
-    canvas2 = rng.integers(0, config.vocab_size, size=(B, config.canvas_length))
-    close(fast.denoise(canvas2, fc, sc), ref.denoise(canvas2, rc, sc))
-
-
 def test_self_conditioning_mask_and_device_output():
     config = tiny_config()
     ref, fast = pair(config, seed=1)
@@ -263,7 +222,8 @@ def test_loop_matches_reference_loop_on_identical_logits(B, max_new, stability, 
         np.testing.assert_array_equal(a.canvas, b.canvas)
         np.testing.assert_array_equal(a.accepted, b.accepted)
         np.testing.assert_array_equal(a.finished, b.finished)
-        np.testing.assert_array_equal(a.entropies, b.entropies)
+        # the kernel's entropy (float32 exp, float64 sums per thread) is not the reference's bit for bit
+        np.testing.assert_allclose(a.entropies, b.entropies, rtol=1e-4, atol=1e-5)
         assert a.temperature == b.temperature
     # the cases must reach what they are meant to exercise
     if "partial" in reaches:
@@ -276,7 +236,7 @@ def test_loop_matches_reference_loop_on_identical_logits(B, max_new, stability, 
         assert any(s.finished.any() for s in rec_ref.steps), "no row ever finished denoising"
 
 
-def test_generate_on_the_emulated_model_keeps_one_vocab_buffer():
+def test_generate_on_the_simulated_device_keeps_one_vocab_buffer():
     config = tiny_config(vocab=211)  # a vocabulary size no other dimension shares
     ref, fast = pair(config, seed=2, final_norm_gain=25.0)
     prompt = np.random.default_rng(0).integers(3, 120, size=(2, 9))
