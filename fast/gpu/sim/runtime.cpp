@@ -126,6 +126,8 @@ std::vector<Fiber> g_fibers;
 std::vector<uint32_t> g_warp_epoch;
 std::vector<int> g_warp_arrived;         // lanes of each warp waiting at a warp operation
 std::vector<Shadow> g_shadow;
+std::vector<uint8_t> g_owner;            // per byte of the shared segment: index of its shared array, or 255
+const DgShared* g_owner_table = nullptr;
 Fiber* g_cur = nullptr;
 void* g_sched_sp = nullptr;
 #if !defined(__x86_64__)
@@ -289,11 +291,12 @@ std::string tname(uint16_t t) {
 }
 
 const DgShared* shared_var(uintptr_t off, unsigned n, const DgShared** nearest) {
+    const uint8_t owner = g_owner[off];
+    if (owner != 255 && g_owner[off + n - 1] == owner) return &g_desc->shared[owner];
     const DgShared* best = nullptr;
     uint64_t best_d = UINT64_MAX;
     for (int i = 0; i < g_desc->n_shared; ++i) {
         const DgShared& s = g_desc->shared[i];
-        if (off >= s.offset && off + n <= s.offset + s.size) return &s;
         uint64_t d = off < s.offset ? s.offset - off : off - (s.offset + s.size) + 1;
         if (d < best_d) { best_d = d; best = &s; }
     }
@@ -726,6 +729,12 @@ __attribute__((visibility("default"))) int dg_sim_launch(const DgLaunchDesc* d) 
     g_sh_lo = (uintptr_t)anchor - d->shared[d->anchor_index].offset;
     g_sh_size = d->tls_size;
     if (g_shadow.size() < g_sh_size) g_shadow.assign(g_sh_size, Shadow{0, 0, 0, 0, 0, kNone, kNone, kNone});
+    if (g_owner_table != d->shared || g_owner.size() != g_sh_size + 16) {  // a new library: its layout
+        g_owner.assign(g_sh_size + 16, 255);
+        for (int i = 0; i < d->n_shared && i < 255; ++i)
+            memset(&g_owner[d->shared[i].offset], i, d->shared[i].size);
+        g_owner_table = d->shared;
+    }
     uint64_t serial = 0;
     bool ok = true;
     for (unsigned z = 0; z < d->grid[2] && ok; ++z)
