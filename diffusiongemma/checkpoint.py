@@ -55,6 +55,18 @@ def generate_function(backend: str):
     return _backend_module(backend).generate
 
 
+def load_generation_config(path: str):
+    """The checkpoint's generation settings (``GenerationConfig``): ``generation_config.json`` of a directory,
+    or the ``diffusion.eb_*`` keys of a GGUF file. Raises ``FileNotFoundError`` when a directory has none."""
+    from diffusiongemma.reference.generation_config import GenerationConfig
+
+    if os.path.isfile(path):  # a GGUF file
+        from diffusiongemma.weights_converter.gguf import gguf_generation_config
+
+        return GenerationConfig.from_dict(gguf_generation_config(path))
+    return GenerationConfig.from_pretrained(path)
+
+
 @dataclass
 class TextSide:
     """Tokenizer and chat template of a checkpoint."""

@@ -725,3 +725,22 @@ def test_tensors_are_dequantized_one_at_a_time(tmp_path, hf):
     finally:
         tracemalloc.stop()
     assert peak < 4 * max(sizes) < sum(sizes) / 3, (peak, max(sizes), sum(sizes))
+
+
+def test_command_line_runs_a_gguf_file(tmp_path, hf, capsys):
+    """`diffusiongemma generate --model x.gguf` (tokenizer and settings from the file) and `diffusiongemma convert`."""
+    from diffusiongemma.cli.main import main
+
+    path = write_gguf(tmp_path / "m.gguf", hf, Q.Q8_0, tokenizer=_gemma_style_tokenizer(),
+                      generation={"max_denoising_steps": 3})
+    assert main(["generate", "--model", path, "-n", "8", "--seed", "1", "--view", "plain", "in the beginning"]) == 0
+    captured = capsys.readouterr()
+    assert "steps per canvas [3]" in captured.out + captured.err  # diffusion.eb_max_steps
+    out = tmp_path / "converted"
+    assert main(["convert", path, str(out), "--no-progress"]) == 0
+    assert {"tokenizer.json", "chat_template.jinja", "generation_config.json"} <= set(os.listdir(out))
+    assert "converted" in capsys.readouterr().out
+    assert main(["generate", "--model", str(out), "-n", "8", "--seed", "1", "--view", "plain",
+                 "in the beginning"]) == 0
+    again = capsys.readouterr()
+    assert again.out.splitlines()[0] == captured.out.splitlines()[0]  # the same text from the converted copy

@@ -124,7 +124,9 @@ def settings_for(args, path: str, model_config):
     from diffusiongemma.reference.generate import GenerationConfig
 
     try:
-        settings = GenerationConfig.from_pretrained(path)
+        from diffusiongemma.checkpoint import load_generation_config
+
+        settings = load_generation_config(path)  # generation_config.json, or a GGUF's diffusion.eb_* keys
     except FileNotFoundError:
         settings = GenerationConfig(eos_token_id=model_config.eos_token_id, pad_token_id=model_config.pad_token_id)
     t_min, t_max = args.t_min, args.t_max

@@ -152,7 +152,9 @@ def _settings(args, path: str, model_config):
     from diffusiongemma.reference.generate import GenerationConfig
 
     try:
-        settings = GenerationConfig.from_pretrained(path)
+        from diffusiongemma.checkpoint import load_generation_config
+
+        settings = load_generation_config(path)  # generation_config.json, or a GGUF's diffusion.eb_* keys
     except FileNotFoundError:
         settings = GenerationConfig(eos_token_id=model_config.eos_token_id, pad_token_id=model_config.pad_token_id)
     changes = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps}
