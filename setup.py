@@ -172,6 +172,11 @@ setup(
             "diffusiongemma = diffusiongemma.cli.main:main",
             "diffusiongemma-convert = diffusiongemma.weights_converter.cli:main",
         ],
+        # file formats the reference's loader reads through the converter (reference/weights.py)
+        "diffusiongemma.checkpoint_readers": [
+            "transformers = diffusiongemma.weights_converter:TRANSFORMERS_READER",
+            "gguf = diffusiongemma.weights_converter:GGUF_READER",
+        ],
     },
     zip_safe=False,
 )

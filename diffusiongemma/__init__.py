@@ -12,7 +12,3 @@ Modules of the root: ``checkpoint`` (checkpoint directories, tokenizer, chat tem
 """
 
 __version__ = "0.1.0"
-
-# Wire the converter's file-format readers (transformers directories, GGUF files) into the reference's
-# loader. The dependency points one way: the converter builds on the reference, never the reverse.
-from . import weights_converter as _formats  # noqa: E402,F401

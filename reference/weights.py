@@ -312,8 +312,10 @@ def _read_weight_files(path: str, base: str, index: dict, config: ModelConfig) -
 
 
 # Other file formats (a transformers directory, a llama.cpp GGUF file) are read by the converter, which
-# registers its readers here when the package loads (``diffusiongemma/__init__.py``): the specification
-# never imports the converter, and the converter builds on the specification.
+# declares its readers as entry points of the group below (setup.py); ``load_checkpoint`` finds them in the
+# installed package's metadata. The specification never imports the converter; the converter builds on the
+# specification.
+READER_ENTRY_POINTS = "diffusiongemma.checkpoint_readers"
 _READERS: list[tuple[str, Callable[[str], bool], Callable[[str], tuple]]] = []
 
 
@@ -321,6 +323,26 @@ def register_checkpoint_reader(name: str, matches: Callable[[str], bool], read: 
     """Teach ``load_checkpoint`` another format: ``matches(path)`` says whether ``read(path)`` applies;
     ``read`` returns ``(config, float32 tensors)``. Registering a name again replaces that reader."""
     _READERS[:] = [r for r in _READERS if r[0] != name] + [(name, matches, read)]
+
+
+def checkpoint_readers() -> list[tuple[str, Callable[[str], bool], Callable[[str], tuple]]]:
+    """The registered readers, after loading the installed ones (entry points ``READER_ENTRY_POINTS``, each
+    a ``(name, matches, read)`` triple) the first time."""
+    if not getattr(checkpoint_readers, "loaded", False):
+        from importlib.metadata import EntryPoint, entry_points
+
+        entries = list(entry_points(group=READER_ENTRY_POINTS))
+        if not entries:  # package metadata without the group (a stale egg-info in a source checkout)
+            entries = [EntryPoint(name, value, READER_ENTRY_POINTS) for name, value in _INSTALLED_READERS]
+        for entry in entries:
+            register_checkpoint_reader(*entry.load())
+        checkpoint_readers.loaded = True
+    return list(_READERS)
+
+
+# what setup.py declares in the group, for metadata that lacks it
+_INSTALLED_READERS = (("transformers", "diffusiongemma.weights_converter:TRANSFORMERS_READER"),
+                      ("gguf", "diffusiongemma.weights_converter:GGUF_READER"))
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -334,10 +356,11 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.
     path = os.fspath(path)
     if os.path.isdir(path) and is_converted_checkpoint(path):
         return load_converted(path)
-    for _, matches, read in _READERS:
+    readers = checkpoint_readers()
+    for _, matches, read in readers:
         if matches(path):
             return read(path)
     if not os.path.exists(path):
         raise CheckpointError(f"model path {path!r} does not exist")
-    known = ", ".join([f"a converted diffusiongemma directory ({INDEX_FILE})"] + [name for name, _, _ in _READERS])
+    known = ", ".join([f"a converted diffusiongemma directory ({INDEX_FILE})"] + [name for name, _, _ in readers])
     raise CheckpointError(f"{path!r} is not a checkpoint this project reads; it reads {known}")

@@ -10,8 +10,6 @@ accounts for every tensor, and the two entry points), ``cli`` (argparse front en
 
 import os
 
-from diffusiongemma.reference.weights import register_checkpoint_reader
-
 from .conversion import DEFAULT_SHARD_SIZE, ConversionSummary, convert, load_transformers_checkpoint
 
 
@@ -29,9 +27,10 @@ def _read_gguf(path: str):
     return load_gguf_checkpoint(path)
 
 
-# the formats ``reference.weights.load_checkpoint`` reads through the converter
-register_checkpoint_reader("a transformers checkpoint directory (config.json + safetensors)", _is_transformers_dir,
-                           load_transformers_checkpoint)
-register_checkpoint_reader("a llama.cpp GGUF file (architecture diffusion-gemma)", _is_gguf_file, _read_gguf)
+# The formats ``reference.weights.load_checkpoint`` reads through the converter: (name, matches, read),
+# declared as entry points of the group ``diffusiongemma.checkpoint_readers`` in setup.py.
+TRANSFORMERS_READER = ("a transformers checkpoint directory (config.json + safetensors)", _is_transformers_dir,
+                       load_transformers_checkpoint)
+GGUF_READER = ("a llama.cpp GGUF file (architecture diffusion-gemma)", _is_gguf_file, _read_gguf)
 
 __all__ = ["DEFAULT_SHARD_SIZE", "ConversionSummary", "convert", "load_transformers_checkpoint"]
