@@ -279,3 +279,19 @@ def test_generate_takes_a_host_denoiser_like_the_reference_and_reports_nan():
         gpu._generate(fast, np.ones((1, 3), dtype=np.int64), None, None, random=0, cache=None, decoder_input_ids=None,
                       self_conditioning_logits=None, callback=None, overrides={"max_new_tokens": 16},
                       logits_hook=nan_logits)
+
+
+def test_shipped_model_on_the_gpu_sim_backend_gives_the_reference_tokens():
+    """What ``diffusiongemma generate --backend gpu-sim`` runs (checkpoint.load_model / generate_function)
+    gives the reference's tokens on the shipped model: one canvas, three denoising steps, seed 1."""
+    from diffusiongemma.checkpoint import default_model_dir, generate_function, load_model
+
+    path = default_model_dir()
+    prompt = np.array([[2, 310, 47, 1022, 9]])
+    kwargs = dict(max_new_tokens=32, max_denoising_steps=3, random=1)
+    model = load_model(path, "gpu-sim")
+    assert isinstance(model.device, SimDevice) and model.device.checks
+    got = generate_function("gpu-sim")(model, prompt, **kwargs)
+    expected = generate_function("reference")(load_model(path, "reference"), prompt, **kwargs)
+    np.testing.assert_array_equal(got.sequences, expected.sequences)
+    assert got.steps_per_canvas == expected.steps_per_canvas
