@@ -175,7 +175,8 @@ def test_confidence_threshold_reveals_above_threshold_else_the_best():
     out = S.confidence_threshold_accept(conf, revealed, 0.9)
     assert out.tolist() == [[True, False, False, False], [False, True, False, False]]
     assert S.confidence_threshold_accept(conf, revealed, 0.9, force_all=True).tolist() == (~revealed).tolist()
-    assert S.confidence_threshold_accept(np.float32([[0.9, 0.1]]), np.zeros((1, 2), bool), 0.9)[0, 0]  # >=
+    at = S.confidence_threshold_accept(np.float32([[0.9, 0.9]]), np.zeros((1, 2), bool), 0.9)
+    assert at.tolist() == [[True, True]]  # >= (with > only the forced best one would be revealed)
 
 
 def test_block_refinement_quota_and_threshold():
@@ -207,3 +208,105 @@ def test_sliding_window_per_query_rules():
     assert S.sliding_window_keys("W", keys, P, C, W).tolist() == [[True, True, True, True]] * C
     assert S.sliding_window_keys("W-1-i", keys, P, C, W).tolist() == [
         [False, True, True, True], [False, False, True, True], [False, False, False, True]]
+
+
+# ------------------------------------------------------------------------------------------ in the loop
+class _Scripted:
+    """A stand-in model whose decoder returns scripted logits (no weights): V = 6, C = 4."""
+
+    def __init__(self, script):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(vocab_size=6, canvas_length=4)
+        self.script = script  # (call index, canvas) -> (1, 4, 6) float32
+        self.calls = 0
+
+    def new_cache(self, batch_size):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(length=0, batch_size=batch_size)
+
+    def encode(self, ids, cache, mask=None):
+        cache.length += ids.shape[1]
+
+    def denoise(self, canvas, cache, sc_logits=None):
+        self.calls += 1
+        return self.script(self.calls - 1, canvas)
+
+
+def _run(semantics, script, **settings):
+    from diffusiongemma.reference.generate import generate
+
+    steps, canvases = [], []
+
+    class Log:
+        def on_step(self, info):
+            steps.append(info)
+
+        def on_canvas(self, info):
+            canvases.append(info.tokens.copy())
+
+    model = _Scripted(script)
+    base = dict(max_new_tokens=4, max_denoising_steps=3, stability_threshold=1, confidence_threshold=0.005)
+    base.update(settings)
+    result = generate(model, np.array([[2, 3]]), semantics=semantics, random=7, callback=Log(), **base)
+    return result, steps, canvases, model
+
+
+def _flat(call, canvas):
+    """Uncertain everywhere (uniform logits): only the lowest-entropy position is accepted each step."""
+    z = np.zeros((1, 4, 6), dtype=np.float32)
+    z[..., 2] = 0.1 * (np.arange(4)[None, :] + 1)
+    return z
+
+
+def test_generate_semantics_commit_rule_in_the_loop():
+    _, steps, canvases, _ = _run("transformers", _flat)
+    assert (canvases[0] == steps[-1].draft).all()  # the argmax draft
+    _, steps, canvases, _ = _run("jax", _flat)
+    assert (canvases[0] == steps[-1].canvas).all()  # the last sampled-and-renoised canvas
+    assert not (canvases[0] == steps[-1].draft).all()
+
+
+def test_generate_semantics_stability_zero_transformers_versus_diffusers():
+    peaked = lambda call, canvas: np.where(np.arange(6) == 4, 30.0, -30.0).astype(np.float32)[None, None].repeat(4, 1)
+    _, steps, _, _ = _run("transformers", peaked, stability_threshold=0)
+    assert len(steps) == 1  # s = 0: confident is enough
+    _, steps, _, _ = _run("diffusers", peaked, stability_threshold=0)
+    assert len(steps) == 2  # max(s, 1) = 1 repeat needed
+
+
+def test_generate_semantics_argmax_proposals_make_no_categorical_draw():
+    from diffusiongemma.reference.draws import RecordingDraws, SeededDraws
+    from diffusiongemma.reference.generate import generate
+
+    for name, expect in (("transformers", True), ("mlx-vlm", False)):
+        draws = RecordingDraws(SeededDraws(0))
+        generate(_Scripted(_flat), np.array([[2, 3]]), semantics=name, random=draws, max_new_tokens=4,
+                 max_denoising_steps=2)
+        assert any(kind == "categorical" for kind, _ in draws.tape) == expect, name
+
+
+def test_generate_semantics_unknown_name_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown semantics"):
+        _run("sglang", _flat)
+
+
+def test_canvas_window_rules_in_the_decoder():
+    from diffusiongemma.reference.model import Model
+    from tests.random_weights import make_config, random_tensors
+
+    config = make_config()  # W = 8, C = 16
+    model = Model(config, random_tensors(config, seed=1))
+    prompt = np.arange(3, 3 + 12)[None]  # P = 12 > W
+    canvas = np.arange(16)[None] % config.vocab_size
+    cache = model.new_cache(1)
+    model.encode(prompt, cache)
+    base = model.denoise(canvas, cache)
+    per_query = model.denoise(canvas, cache, canvas_window="W-1-i")
+    np.testing.assert_array_equal(per_query[:, 0], base[:, 0])  # query 0 sees the same W-1 keys
+    assert np.abs(per_query[:, 1:] - base[:, 1:]).max() > 1e-3  # later queries see fewer prompt keys
+    wide = S.variant_cache(S.SEMANTICS["jax"].replace(canvas_window="W"), model, 1)
+    model.encode(prompt, wide)
+    assert [wide.keys[l].shape[2] for l in range(config.num_hidden_layers)] == [8, 8, 12, 8, 12]
+    assert np.abs(model.denoise(canvas, wide) - base).max() > 1e-3  # one more prompt key in sliding layers
