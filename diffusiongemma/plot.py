@@ -25,6 +25,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -194,8 +195,11 @@ def load_record(path: str) -> DenoisingRecord:
     """A ``DenoisingRecord`` from a ``generate --json`` file or a trace file (told apart by content).
     Raises ``InputError`` naming the file when it is neither or holds no per-step data."""
     with open(path, "rb") as f:
-        head = f.read(1)
-    if head in (b"{", b"[", b" ", b"\n"):
+        head = f.read(9)
+    # a safetensors file starts with its header's byte length (8 bytes, little-endian), then the JSON header
+    looks_like_trace = (len(head) == 9 and head[8:9] == b"{"
+                        and int.from_bytes(head[:8], "little") + 8 <= os.path.getsize(path))
+    if not looks_like_trace:
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
