@@ -54,6 +54,21 @@ def test_header_and_marks(side):
     assert "<eos>" not in text and "<pad>" not in text and "<bos>" not in text
 
 
+def test_a_frame_fits_the_terminal(side, monkeypatch):
+    import os
+
+    monkeypatch.setattr(live_view.shutil, "get_terminal_size", lambda fallback=None: os.terminal_size((40, 8)))
+    out = io.StringIO()
+    committed = " ".join(f"word{i}" for i in range(60))
+    view = LiveCanvasView(side, committed, out, frame_time=0)
+    view.on_step(step(draft=(300, 391) * 8, accepted=(True, False) * 8))
+    frame = live_view._ANSI.sub("", out.getvalue())
+    assert view._lines_drawn <= 7 and live_view._lines(frame, 40) <= 7
+    assert "…" in frame and frame.split("\n", 1)[1].startswith("…") and "word59" in frame
+    view.close(interrupted=True)
+    assert out.getvalue().endswith(committed + "\n" + live_view.SHOW_CURSOR)  # the whole text at the end
+
+
 def test_frames_faster_than_the_frame_time_are_dropped(side):
     out = io.StringIO()
     view = LiveCanvasView(side, "", out, frame_time=0.1, clock=Clock([0.0, 0.05, 0.09, 0.12, 0.13, 0.5]))

@@ -8,7 +8,8 @@ Every frame shows a header line and the text::
 Committed text is printed normally; the current canvas's draft follows it: positions accepted at this step
 in bold, the others dimmed (in the spirit of ``llama-diffusion-cli --diffusion-visual``). Special tokens are
 drawn as marks, not as their literal names: EOS ``¶``, pad ``·``, any other special token ``¤``. Only row 0
-of a batch is shown.
+of a batch is shown. A frame never takes more lines than the terminal has: when the committed text is too
+long, its tail is shown after ``…`` (the whole text is printed at the end).
 
 Pacing: a frame stays on screen for at least ``frame_time`` seconds. Steps that arrive sooner are dropped
 (not queued), so a fast run shows fewer frames and is never slowed down; a committed canvas is always
@@ -70,8 +71,7 @@ class LiveCanvasView:
     # ------------------------------------------------------------------------------------------ callback
     def on_step(self, info) -> None:
         draft, accepted = info.draft[0], info.accepted[0]
-        body = self.committed + "".join(
-            (BOLD if ok else DIM) + self.piece(int(token)) + RESET for token, ok in zip(draft, accepted))
+        body = "".join((BOLD if ok else DIM) + self.piece(int(token)) + RESET for token, ok in zip(draft, accepted))
         n = self.planned_canvases or getattr(info, "n_canvases", 0) or "?"
         N = self.max_steps or getattr(info, "max_steps", 0) or "?"
         temp = "none" if info.temperature is None else f"{info.temperature:.3f}"
@@ -84,12 +84,12 @@ class LiveCanvasView:
                 return
             self.sleep(self.frame_time - (now - self._last_draw))
             now = self.clock()
-        self._draw(header, body, now)
+        self._draw(header, self.committed, body, now)
 
     def on_canvas(self, info) -> None:
         self.committed += self.text.decode(info.tokens[0])
         n = self.planned_canvases or getattr(info, "n_canvases", 0) or "?"
-        self._draw(f"canvas {info.canvas_index + 1}/{n} committed after {info.steps} steps", self.committed,
+        self._draw(f"canvas {info.canvas_index + 1}/{n} committed after {info.steps} steps", self.committed, "",
                    self.clock())
 
     def on_end(self, result) -> None:
@@ -119,17 +119,33 @@ class LiveCanvasView:
             self._special_ids = {int(i) for i, added in decoder().items() if getattr(added, "special", False)}
         return token in self._special_ids
 
-    def _draw(self, header: str, body: str, now: float) -> None:
-        width = max(shutil.get_terminal_size((80, 24)).columns, 20)
+    def _draw(self, header: str, committed: str, draft: str, now: float) -> None:
+        size = shutil.get_terminal_size((80, 24))
+        width, rows = max(size.columns, 20), max(size.lines, 3)
+        committed = self._fit(header, committed, _ANSI.sub("", draft), width, rows - 1)
         out = [self._erase_codes(), HIDE_CURSOR if self.frames == 0 else ""]
-        out.append(f"{DIM}{header}{RESET}\n{body}")
-        visible = _ANSI.sub("", header + "\n" + body)
+        out.append(f"{DIM}{header}{RESET}\n{committed}{draft}")
         # the state first: a Ctrl-C arriving during the write must still find what to erase in close()
-        self._lines_drawn = sum(max(1, -(-len(line) // width)) for line in visible.split("\n"))
+        self._lines_drawn = _lines(header + "\n" + committed + _ANSI.sub("", draft), width)
         self._last_draw = now
         self.frames += 1
         self.stream.write("".join(out))
         self.stream.flush()
+
+    @staticmethod
+    def _fit(header: str, committed: str, draft: str, width: int, rows: int) -> str:
+        """``committed``, or its tail after an ellipsis, so that the frame fits in ``rows`` lines (cursor
+        movement cannot reach lines that scrolled off the screen, so a taller frame could not be erased)."""
+        if _lines(header + "\n" + committed + draft, width) <= rows:
+            return committed
+        lo, hi = 0, len(committed)  # the longest tail that fits: binary search on its length
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _lines(header + "\n…" + committed[len(committed) - mid:] + draft, width) <= rows:
+                lo = mid
+            else:
+                hi = mid - 1
+        return "…" + committed[len(committed) - lo:]
 
     def _erase_codes(self) -> str:
         if not self._lines_drawn:
@@ -147,3 +163,8 @@ class LiveCanvasView:
             self.stream.write("".join(out))
             self.stream.flush()
         self._lines_drawn = 0
+
+
+def _lines(text: str, width: int) -> int:
+    """Terminal lines ``text`` (no ANSI codes) takes at ``width`` columns."""
+    return sum(max(1, -(-len(line) // width)) for line in text.split("\n"))
