@@ -44,6 +44,8 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
     trace.add_argument("-n", "--max-new-tokens", type=positive_int, default=None,
                        help="tokens to generate (default: the checkpoint's generation_config.json)")
     trace.add_argument("--steps", type=positive_int, default=None, help="max denoising steps per canvas")
+    trace.add_argument("--ignore-eos", action="store_true",
+                       help="do not stop at EOS (the run's eos_token_id set to none), as generate --ignore-eos")
     trace.add_argument("--layers", action=argparse.BooleanOptionalAction, default=None,
                        help="record every decoder layer's output per step (default: only when one step's layer "
                             "outputs fit in 16 MiB, i.e. small models)")
@@ -158,7 +160,8 @@ def _settings(args, path: str, model_config):
     except FileNotFoundError:
         settings = GenerationConfig(eos_token_id=model_config.eos_token_id, pad_token_id=model_config.pad_token_id)
     changes = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps}
-    return settings.replace(**{k: v for k, v in changes.items() if v is not None})
+    settings = settings.replace(**{k: v for k, v in changes.items() if v is not None})
+    return settings.replace(eos_token_id=()) if args.ignore_eos else settings
 
 
 def _replayed_run(args, model_config):
@@ -167,7 +170,8 @@ def _replayed_run(args, model_config):
     from diffusiongemma.trace import Trace, TraceError
 
     given = [flag for flag, value in (("--seed", args.seed), ("--max-new-tokens", args.max_new_tokens),
-                                      ("--steps", args.steps)) if value is not None]
+                                      ("--steps", args.steps), ("--ignore-eos", args.ignore_eos or None))
+             if value is not None]
     if given:
         raise ValueError(f"--replay takes the prompt, settings and draws from the trace; drop {', '.join(given)}")
     with Trace(args.replay) as other:
