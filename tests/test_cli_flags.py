@@ -36,7 +36,7 @@ def model():
 def test_prompt_from_option_argument_and_stdin_agree(capsys, monkeypatch):
     a = run_json(capsys, "And God said", "--seed", "2", "-n", "32")
     b = run_json(capsys, "-p", "And God said", "--seed", "2", "-n", "32")
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("And God said".encode())))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("And God said\n".encode())))  # as echo writes
     c = run_json(capsys, "-", "--seed", "2", "-n", "32")
     assert a["token_ids"] == b["token_ids"] == c["token_ids"] and c["prompt"] == "And God said"
 

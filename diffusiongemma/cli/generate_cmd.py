@@ -45,7 +45,7 @@ def register(commands, formatter) -> None:
                     "from random tokens in up to N steps, committed, encoded, and followed by the next.",
         epilog="Exit status: 0 done, 2 bad arguments or a failing checkpoint, 130 interrupted (Ctrl-C).")
     gen.add_argument("prompt", nargs="?", default=None,
-                     help="the prompt text; '-' reads it from standard input (or use -p)")
+                     help="the prompt text; '-' reads it from standard input (one trailing newline dropped), or use -p")
     gen.add_argument("-p", "--prompt", dest="prompt_option", metavar="TEXT", default=None,
                      help="the prompt text (instead of the positional argument; '-' reads standard input)")
     gen.add_argument("-m", "--model", default=None, metavar="DIR",
@@ -107,6 +107,7 @@ def read_prompt(args) -> str:
             raise UsageError(f"the prompt on standard input is not valid UTF-8: byte {data[exc.start]:#04x} at "
                              f"offset {exc.start}") from None
         where = "the prompt on standard input"
+        text = text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text  # echo's newline
     else:
         try:
             text.encode("utf-8")
