@@ -569,21 +569,25 @@ def test_split_expert_tensors_are_accepted(tmp_path, hf):
 # ------------------------------------------------------------------------------------------------ tokenizer
 def _gemma_style_tokenizer() -> dict:
     """A SentencePiece-style BPE (U+2581 for spaces, <0xXX> byte fallback), trained on a few lines."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
     tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[^\n]+|[\n]+"), behavior="isolated")  # as Gemma 4's
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"]
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                   initial_alphabet=list("abcdefghijklmnopqrstuvwxyz\u2581"))
-    lines = ["in the beginning god created the heaven and the earth",
+    lines = ["in the beginning god created the heaven and the earth\n\n",
              "and the earth was without form and void", "let there be light and there was light"] * 20
     tok.train_from_iterator(lines, trainer)
     data = json.loads(tok.to_str())
     vocab = data["model"]["vocab"]
     for b in range(256):  # byte-fallback pieces, as Gemma's vocabulary has
         vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    # a first-rank merge across a newline, which only the newline pre-split keeps from applying
+    vocab["t\n"] = len(vocab)
+    data["model"]["merges"].insert(0, ["t", "\n"])
     return data
 
 
@@ -608,7 +612,7 @@ def test_tokenizer_and_chat_template_from_metadata(tmp_path, hf, style):
     side = load_text_side(path)
     assert side is not None and side.bos_token == "<bos>" and side.eos_token == "<eos>"
     for text in ["in the beginning god created", "And the earth was without form, and void; ünïcode ☃!",
-                 "  two  spaces", "<|turn>user\nlet there be light<turn|>"]:
+                 "  two  spaces", "<|turn>user\nlet there be light<turn|>", "light\n\nand\nthe earth \n"]:
         expected = original.encode(text).ids
         assert side.encode(text) == expected, text
         assert side.decode(expected) == original.decode(expected)

@@ -491,14 +491,16 @@ def build_tokenizer(checkpoint: GGUFCheckpoint):
 
     ``tokenizer.ggml.model``:
     * ``gemma4`` (Gemma 4, DiffusionGemma) and ``llama`` with merges: SentencePiece-style BPE over text whose
-      spaces become U+2581, with ``<0xXX>`` byte fallback (decoding maps U+2581 back to spaces and joins bytes);
-      a leading U+2581 is added only when ``tokenizer.ggml.add_space_prefix`` is true;
+      spaces become U+2581, split into runs of newlines and runs of other characters (llama.cpp's gemma4
+      pre-tokenizer, ``[^\\n]+|[\\n]+``), merged over UTF-8 characters by rank, with ``<0xXX>`` byte fallback
+      (decoding maps U+2581 back to spaces and joins bytes); a leading U+2581 is added only when
+      ``tokenizer.ggml.add_space_prefix`` is true;
     * ``gpt2``: byte-level BPE (GPT-2 pre-tokenizer and decoder);
     * ``llama`` without merges: a SentencePiece unigram model from ``tokenizer.ggml.scores``.
     Tokens of type CONTROL (3) or UNKNOWN (2) become special added tokens, USER_DEFINED (4) plain added tokens.
     ``tokenizer.ggml.add_bos_token`` (default true for gemma4) prepends BOS when encoding with special tokens.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     path = checkpoint.path
     kind = checkpoint.string("tokenizer.ggml.model")
@@ -507,11 +509,13 @@ def build_tokenizer(checkpoint: GGUFCheckpoint):
     if len(types) != len(tokens):
         raise CheckpointError(f"{path}: metadata key 'tokenizer.ggml.token_type' has {len(types)} entries, "
                               f"'tokenizer.ggml.tokens' has {len(tokens)}")
-    merges = [tuple(m.split(" ", 1)) for m in checkpoint.array("tokenizer.ggml.merges", "string", [])]
-    bad = next((m for m in merges if len(m) != 2), None)
-    if bad is not None:
-        raise CheckpointError(f"{path}: metadata key 'tokenizer.ggml.merges' holds {bad[0]!r}, not 'left right'")
-    vocab = {token: i for i, token in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
+    merges = []
+    for merge in checkpoint.array("tokenizer.ggml.merges", "string", []):
+        cut = merge.find(" ", 1)  # the separator; a left part may itself start with a space
+        if cut < 0:
+            raise CheckpointError(f"{path}: metadata key 'tokenizer.ggml.merges' holds {merge!r}, not 'left right'")
+        merges.append((merge[:cut], merge[cut + 1:]))
+    vocab = {token: i for i, token in enumerate(tokens)}  # a repeated string keeps its last id, as llama.cpp
     unk_id = checkpoint.integer("tokenizer.ggml.unknown_token_id", None)
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
     if kind == "gpt2":
@@ -525,6 +529,8 @@ def build_tokenizer(checkpoint: GGUFCheckpoint):
         if checkpoint.boolean("tokenizer.ggml.add_space_prefix", kind == "llama"):
             steps.insert(0, normalizers.Prepend("\u2581"))
         tokenizer.normalizer = normalizers.Sequence(steps)
+        # llama.cpp's gemma4 pre-tokenizer: runs of newlines and runs of everything else, merged separately
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[^\n]+|[\n]+"), behavior="isolated")
         tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                                decoders.Fuse()])
     elif kind == "llama":
