@@ -185,6 +185,13 @@ def test_argument_errors_name_the_option(capsys, args, message):
     assert message in capsys.readouterr().err
 
 
+def test_settings_that_clash_with_the_checkpoints_name_the_options(capsys):
+    assert main(["generate", "hi", "--t-min", "0.9", *SMALL]) == 2  # the shipped t_max is 0.8
+    err = capsys.readouterr().err
+    assert "--steps 6, --t-min 0.9: t_max (0.8) must be greater than t_min (0.9)" in err
+    assert "generation_config.json" in err
+
+
 def test_temp_with_t_max_names_both(capsys):
     assert main(["generate", "hi", "--temp", "0.5", "--t-max", "0.9", *SMALL]) == 2
     assert "--temp sets both t_min and t_max; drop --t-max" in capsys.readouterr().err

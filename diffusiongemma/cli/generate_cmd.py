@@ -120,8 +120,14 @@ def read_prompt(args) -> str:
     return text
 
 
+OPTIONS = {"max_new_tokens": "-n/--max-new-tokens", "max_length": "--max-length", "max_denoising_steps": "--steps",
+           "entropy_bound": "--entropy-bound", "t_min": "--t-min", "t_max": "--t-max"}  # setting -> its option
+
+
 def settings_for(args, path: str, model_config):
-    """The checkpoint's generation settings with the command line's changes applied."""
+    """The checkpoint's generation settings with the command line's changes applied; ``UsageError`` naming
+    the options when the result is not a valid setting."""
+    from diffusiongemma.reference.errors import ConfigError
     from diffusiongemma.reference.generate import GenerationConfig
 
     try:
@@ -138,7 +144,12 @@ def settings_for(args, path: str, model_config):
     changes = {"max_new_tokens": args.max_new_tokens, "max_length": args.max_length,
                "max_denoising_steps": args.steps, "entropy_bound": args.entropy_bound, "t_min": t_min,
                "t_max": t_max}
-    settings = settings.replace(**{k: v for k, v in changes.items() if v is not None})
+    changes = {k: v for k, v in changes.items() if v is not None}
+    try:
+        settings = settings.replace(**changes)
+    except ConfigError as exc:  # e.g. --t-min above the checkpoint's t_max: name the options given
+        given = ", ".join(f"{OPTIONS[k]} {v}" for k, v in changes.items())
+        raise UsageError(f"{given}: {exc} (the other values come from {path}/generation_config.json)") from None
     if args.ignore_eos:
         settings = settings.replace(eos_token_id=())
     return settings
