@@ -748,3 +748,26 @@ def test_command_line_runs_a_gguf_file(tmp_path, hf, capsys):
                  "in the beginning"]) == 0
     again = capsys.readouterr()
     assert again.out.splitlines()[0] == captured.out.splitlines()[0]  # the same text from the converted copy
+
+
+def test_golden_run_reproduced_from_a_gguf_of_its_weights(tmp_path):
+    """The stored tiny-a golden (transformers' run) replayed by the reference on an F32 GGUF of the same weights."""
+    import importlib.util
+
+    import torch
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from diffusiongemma.trace import Trace, compare_traces, format_report
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("record_golden", os.path.join(root, "examples", "record_golden.py"))
+    record_golden = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(record_golden)
+    case = os.path.join(root, "tests", "golden", "tiny-a")
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(os.path.join(case, "model"), dtype=torch.float32)
+    path = write_gguf(tmp_path / "tiny-a.gguf", model)
+    golden = os.path.join(case, "golden.trace")
+    ours = record_golden.replay_reference(path, golden, str(tmp_path / "ours.trace"))
+    with Trace(golden) as a, Trace(ours) as b:
+        comparison = compare_traces(a, b)
+    assert comparison.ok and not comparison.skipped, format_report(comparison)
