@@ -82,8 +82,17 @@ class SimBuildError(RuntimeError):
 
 # ------------------------------------------------------------------------------------------------ building
 def cache_dir() -> str:
+    """Where run-time builds go: ``$DIFFUSIONGEMMA_SIM_CACHE``, else ``~/.cache/diffusiongemma/cuda-sim``,
+    else (no writable home) a folder of the system's temporary directory."""
     path = os.environ.get("DIFFUSIONGEMMA_SIM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
                                                                       "diffusiongemma", "cuda-sim")
+    try:
+        os.makedirs(path, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return path
+    except OSError:
+        pass
+    path = os.path.join(tempfile.gettempdir(), f"diffusiongemma-cuda-sim-{os.getuid()}")
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -422,6 +422,7 @@ void check_barrier_complete(Fiber* f) {
 // a thread waits at a barrier or a warp operation, or ended: can the warp operations of its warp still finish?
 void check_warp(Fiber* f) {
     const int w = f->lin >> 5, base = w << 5;
+    if (g_warp_arrived[w] == 0) return;  // no lane of this warp waits at a warp operation
     const int end = base + 32 < g_nthreads ? base + 32 : g_nthreads;
     for (int i = base; i < end; ++i) {
         Fiber& g = g_fibers[i];
