@@ -91,6 +91,9 @@ def _extensions():
 def _sim_extensions():
     if os.environ.get("DIFFUSIONGEMMA_NO_CUDA_SIM") or sys.platform != "linux":
         return []
+    if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
+        print("diffusiongemma: no C++ compiler, cuda-sim not built (device='cuda-sim' will say so)", file=sys.stderr)
+        return []
     import hashlib
     import importlib.util
 
