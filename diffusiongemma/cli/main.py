@@ -29,6 +29,7 @@ SUBCOMMANDS: list[tuple[str, tuple[str, ...]]] = [
     ("convert_cmd", ("convert",)),
     ("trace_cmd", ("trace", "compare")),
     ("plot_cmd", ("plot",)),
+    ("crosscheck_cmd", ("crosscheck",)),
 ]
 
 

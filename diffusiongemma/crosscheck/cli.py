@@ -19,9 +19,15 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
     from . import PEERS
 
     parser = commands.add_parser("crosscheck", help="compare another implementation with the reference",
-                                 formatter_class=formatter, description=__doc__)
+                                 formatter_class=formatter,
+                                 description="Run another DiffusionGemma implementation and the reference on the "
+                                             "same weights and inputs and report side by side: forward logits, "
+                                             "generation token by token (the peer's draws replayed into our loop "
+                                             "run with that peer's semantics), adaptations, defects "
+                                             "(docs/PEERS.md). Exit status: 0 agree, 1 differ, 2 usage or setup "
+                                             "error.")
     parser.add_argument("peer", choices=PEERS, help="the implementation to check")
-    parser.add_argument("-m", "--model", default=None,
+    parser.add_argument("-m", "--model", default=None, metavar="DIR",
                         help="transformers-layout checkpoint directory (default: a tiny random checkpoint built "
                              "in a temporary directory, with every norm weight and scalar randomised)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs and of the peer's random stream")

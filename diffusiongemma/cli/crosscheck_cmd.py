@@ -1,0 +1,3 @@
+"""The ``crosscheck`` subcommand; it lives with the cross-check package (``diffusiongemma/crosscheck/cli.py``)."""
+
+from diffusiongemma.crosscheck.cli import register, run  # noqa: F401
