@@ -150,6 +150,17 @@ def test_animation_page_is_self_contained_and_has_every_step(run_json, tmp_path)
     assert frames[-1]["committed"] == "".join(side.decode([t], skip_special_tokens=False) for t in data["token_ids"])
 
 
+def test_plot_reads_a_run_from_standard_input(run_json, tmp_path, monkeypatch):
+    import io
+    import sys
+
+    path, data, _ = run_json
+    png = tmp_path / "stdin.png"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(path.read_bytes())))
+    assert main(["plot", "-", "--figure", "entropy", "-o", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_plot_errors_name_the_problem(run_json, tmp_path, capsys):
     path, _, _ = run_json
     assert main(["plot", str(path), "-o", str(tmp_path / "x.jpeg")]) == 2

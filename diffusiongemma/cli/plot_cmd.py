@@ -20,7 +20,8 @@ def register(commands, formatter) -> None:
                     "animation.",
         epilog="Examples: diffusiongemma plot run.json -o denoising.png; diffusiongemma plot run.trace "
                "--figure entropy -o entropy.svg; diffusiongemma plot run.json -o run.html (an animation)")
-    plot.add_argument("run", metavar="RUN", help="a generate --json output file or a trace file")
+    plot.add_argument("run", metavar="RUN", help="a generate --json output file, a trace file, or '-' for generate "
+                                                 "--json output on standard input")
     plot.add_argument("-o", "--output", required=True,
                       help="file to write: .png, .svg or .pdf for a figure, .html for the step-by-step animation")
     plot.add_argument("--figure", choices=FIGURES, default="summary",
@@ -43,10 +44,21 @@ def run(args) -> int:
     if extension not in (".png", ".svg", ".pdf", ".html"):
         raise InputError(f"-o/--output {args.output!r}: give a .png, .svg, .pdf or .html file name")
     check_writable(args.output, "-o/--output")
-    record = plot.load_record(args.run)
+    run_json = None
+    if args.run == "-":
+        import json
+
+        try:
+            run_json = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InputError(f"standard input is not a generate --json record ({exc})") from None
+        record = plot.DenoisingRecord.from_json(run_json, where="standard input")
+    else:
+        record = plot.load_record(args.run)
     if extension == ".html":
-        decode = _decoder(args)
-        page = plot.animation_html(record, decode, title=f"diffusiongemma: {os.path.basename(args.run)}")
+        decode = _decoder(args, run_json)
+        name = "standard input" if args.run == "-" else os.path.basename(args.run)
+        page = plot.animation_html(record, decode, title=f"diffusiongemma: {name}")
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(page)
     else:
@@ -56,14 +68,16 @@ def run(args) -> int:
     return 0
 
 
-def _decoder(args):
+def _decoder(args, run_json=None):
     """token id -> text with the tokenizer of --model, of the run's model (JSON) or of the shipped model."""
     import json
 
     from diffusiongemma.checkpoint import default_model_dir, load_text_side
 
     path = args.model
-    if path is None:
+    if path is None and run_json is not None:
+        path = run_json.get("model") if isinstance(run_json, dict) else None
+    elif path is None:
         try:
             with open(args.run, encoding="utf-8") as f:
                 path = json.load(f).get("model")
