@@ -116,6 +116,13 @@ def test_json_never_holds_terminal_codes(monkeypatch, capsys):
         captured = capsys.readouterr()
         assert "\x1b" not in captured.out and "\x1b" not in captured.err
         assert json.loads(captured.out)["text"]
+    # stdout a terminal, stderr not (2>log): nothing drawn at all
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    for view in ("auto", "live"):
+        assert main(["generate", "And God said", "--json", "--view", view, *SMALL]) == 0
+        out = sys.stdout.getvalue()
+        assert "\x1b" not in out and json.loads(out.splitlines()[-1])["text"]
+    monkeypatch.undo()
     # --view live --json on a terminal: the view goes to stderr, the JSON stays clean on stdout
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)

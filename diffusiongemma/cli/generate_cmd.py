@@ -197,12 +197,10 @@ def run(args) -> int:
     C = int(model.config.canvas_length)
     planned = -(-new_token_budget(settings, len(prompt_ids)) // C)
 
-    view_stream = None
-    if args.view == "live" and not args.json:
-        view_stream = sys.stdout
-    elif args.json and args.view != "plain" and sys.stderr.isatty():
-        view_stream = sys.stderr if args.view == "live" else None
-    elif args.view == "auto" and sys.stdout.isatty():
+    view_stream = None  # --json: stdout holds only the JSON; the view, if asked for, goes to a terminal stderr
+    if args.json:
+        view_stream = sys.stderr if args.view == "live" and sys.stderr.isatty() else None
+    elif args.view == "live" or (args.view == "auto" and sys.stdout.isatty()):
         view_stream = sys.stdout
     view = None if view_stream is None else LiveCanvasView(
         text_side, prompt_text, view_stream, planned_canvases=planned, max_steps=settings.max_denoising_steps,
