@@ -237,6 +237,18 @@ def test_an_order_dependent_output_is_caught():
     passes_unmutated(launch)
 
 
+def test_an_output_that_depends_on_the_order_of_the_blocks_is_caught():
+    # every block writes its row into row 0: no two threads of a block collide, but the last block wins
+    lib = mutated("moe.cu", "float* d = dst + (long long)row * dim;", "float* d = dst;")
+    dev = SimDevice(library=lib)
+    src = dev.to_device(np.arange(12 * 64, dtype=f32).reshape(12, 64))
+    launch = gl.gather_rows(src, dev.to_device(np.array([3, 7, 5, 1], i32)), dev.empty((4, 64), f32))
+    with pytest.raises(KernelCheckError) as info:
+        dev.launch(launch)
+    assert info.value.check == "schedule" and "output dst depends on the order" in str(info.value)
+    passes_unmutated(launch)
+
+
 def test_a_read_of_unwritten_shared_memory_is_caught():
     # warp 0's partial statistics are never stored: thread 0 reads whatever the shared memory held
     lib = mutated("sampling.cu", "if (lane == 0) part[warp] = s;", "if (lane == 0 && warp > 0) part[warp] = s;")

@@ -1,7 +1,8 @@
 // The CPU executor of the CUDA kernels ("cuda-sim"): grids of blocks of threads, barriers, warp exchanges,
 // shared memory, and the checks (bounds, shared-memory races, warp divergence).
 //
-// Design. One launch runs its blocks one after another on the calling OS thread. The threads of a block
+// Design. One launch runs its blocks one after another on the calling OS thread (in grid order, or reversed
+// or shuffled with the thread order, see below). The threads of a block
 // are cooperative fibers, each on its own small stack (with a guard page), switched by a hand-written
 // x86-64 context switch (the six callee-saved registers and the stack pointer; the floating-point control
 // state is one for all fibers, and kernel code never changes it); other architectures use ucontext, which
@@ -736,18 +737,28 @@ __attribute__((visibility("default"))) int dg_sim_launch(const DgLaunchDesc* d) 
             memset(&g_owner[d->shared[i].offset], i, d->shared[i].size);
         g_owner_table = d->shared;
     }
-    uint64_t serial = 0;
+    // blocks run one after another, in the schedule's order too (forward, reverse, or shuffled), so that an
+    // output that depends on the order of the blocks differs between the runs of a checked launch
+    const uint64_t gx = d->grid[0], gy = d->grid[1], n_blocks = gx * gy * d->grid[2];
+    std::vector<uint64_t> blocks(n_blocks);
+    for (uint64_t i = 0; i < n_blocks; ++i) blocks[i] = d->schedule == 1 ? n_blocks - 1 - i : i;
+    if (d->schedule == 2) {
+        uint64_t rng = d->seed ^ 0x5851f42d4c957f2dull;
+        for (uint64_t i = n_blocks; i > 1; --i) {
+            const uint64_t j = splitmix(rng) % i;
+            const uint64_t t = blocks[i - 1]; blocks[i - 1] = blocks[j]; blocks[j] = t;
+        }
+    }
     bool ok = true;
-    for (unsigned z = 0; z < d->grid[2] && ok; ++z)
-        for (unsigned y = 0; y < d->grid[1] && ok; ++y)
-            for (unsigned x = 0; x < d->grid[0] && ok; ++x) {
-                g_block = uint3{x, y, z};
-                ok = run_block(d, serial++);
-                if (g_gen > 0xf0000000u) {  // generation wrap: forget the shadow
-                    g_gen = 1;
-                    for (auto& s : g_shadow) s = Shadow{0, 0, 0, 0, 0, kNone, kNone, kNone};
-                }
-            }
+    for (uint64_t k = 0; k < n_blocks && ok; ++k) {
+        const uint64_t b = blocks[k];
+        g_block = uint3{(unsigned)(b % gx), (unsigned)((b / gx) % gy), (unsigned)(b / (gx * gy))};
+        ok = run_block(d, b);
+        if (g_gen > 0xf0000000u) {  // generation wrap: forget the shadow
+            g_gen = 1;
+            for (auto& s : g_shadow) s = Shadow{0, 0, 0, 0, 0, kNone, kNone, kNone};
+        }
+    }
     g_cur = nullptr;
     g_desc = nullptr;
     return ok ? 0 : 1;
