@@ -70,13 +70,6 @@ class LiveCanvasView:
 
     # ------------------------------------------------------------------------------------------ callback
     def on_step(self, info) -> None:
-        draft, accepted = info.draft[0], info.accepted[0]
-        body = "".join((BOLD if ok else DIM) + self.piece(int(token)) + RESET for token, ok in zip(draft, accepted))
-        n = self.planned_canvases or getattr(info, "n_canvases", 0) or "?"
-        N = self.max_steps or getattr(info, "max_steps", 0) or "?"
-        temp = "none" if info.temperature is None else f"{info.temperature:.3f}"
-        header = (f"canvas {info.canvas_index + 1}/{n} · step {info.step_index + 1}/{N} · "
-                  f"accepted {int(accepted.sum())}/{accepted.shape[0]} · T={temp}")
         now = self.clock()
         if self._last_draw is not None and now - self._last_draw < self.frame_time:
             if not self.wait:
@@ -84,6 +77,13 @@ class LiveCanvasView:
                 return
             self.sleep(self.frame_time - (now - self._last_draw))
             now = self.clock()
+        draft, accepted = info.draft[0], info.accepted[0]
+        body = "".join((BOLD if ok else DIM) + self.piece(int(token)) + RESET for token, ok in zip(draft, accepted))
+        n = self.planned_canvases or getattr(info, "n_canvases", 0) or "?"
+        N = self.max_steps or getattr(info, "max_steps", 0) or "?"
+        temp = "none" if info.temperature is None else f"{info.temperature:.3f}"
+        header = (f"canvas {info.canvas_index + 1}/{n} · step {info.step_index + 1}/{N} · "
+                  f"accepted {int(accepted.sum())}/{accepted.shape[0]} · T={temp}")
         self._draw(header, self.committed, body, now)
 
     def on_canvas(self, info) -> None:
