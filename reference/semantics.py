@@ -583,6 +583,16 @@ def variant_backend(semantics: Semantics, model: Any, draws: Any, denoiser: Call
         if semantics.canvas_window == WINDOW_W1:
             denoise = model.denoise
         else:
+            import inspect
+
+            try:
+                takes = "canvas_window" in inspect.signature(model.denoise).parameters
+            except (TypeError, ValueError):
+                takes = False
+            if not takes:
+                raise ConfigError(f"semantics {semantics.name!r} needs canvas_window={semantics.canvas_window!r}, "
+                                  f"which {type(model).__name__}.denoise does not take (the reference Model does)")
+
             def denoise(canvas, cache, sc_logits, _denoise=model.denoise, _rule=semantics.canvas_window):
                 return _denoise(canvas, cache, sc_logits, canvas_window=_rule)
     return VariantBackend(semantics, denoise, draws, int(model.config.vocab_size), max_steps, observer)

@@ -229,7 +229,7 @@ class _Scripted:
     def encode(self, ids, cache, mask=None):
         cache.length += ids.shape[1]
 
-    def denoise(self, canvas, cache, sc_logits=None):
+    def denoise(self, canvas, cache, sc_logits=None, canvas_window="W-1"):
         self.calls += 1
         return self.script(self.calls - 1, canvas)
 
@@ -296,17 +296,19 @@ def test_canvas_window_rules_in_the_decoder():
     from diffusiongemma.reference.model import Model
     from tests.random_weights import make_config, random_tensors
 
-    config = make_config()  # W = 8, C = 16
-    model = Model(config, random_tensors(config, seed=1))
-    prompt = np.arange(3, 3 + 12)[None]  # P = 12 > W
-    canvas = np.arange(16)[None] % config.vocab_size
-    cache = model.new_cache(1)
-    model.encode(prompt, cache)
-    base = model.denoise(canvas, cache)
-    per_query = model.denoise(canvas, cache, canvas_window="W-1-i")
-    np.testing.assert_array_equal(per_query[:, 0], base[:, 0])  # query 0 sees the same W-1 keys
-    assert np.abs(per_query[:, 1:] - base[:, 1:]).max() > 1e-3  # later queries see fewer prompt keys
-    wide = S.variant_cache(S.SEMANTICS["jax"].replace(canvas_window="W"), model, 1)
-    model.encode(prompt, wide)
-    assert [wide.keys[l].shape[2] for l in range(config.num_hidden_layers)] == [8, 8, 12, 8, 12]
-    assert np.abs(model.denoise(canvas, wide) - base).max() > 1e-3  # one more prompt key in sliding layers
+    prompt = np.arange(3, 3 + 12)[None]  # P = 12
+    canvas = np.arange(16)[None]
+    outputs = {}
+    for W in (8, 40):  # 40: longer than prompt + canvas, so no window rule can bite
+        config = make_config(sliding_window=W)
+        model = Model(config, random_tensors(config, seed=1))
+        cache = model.new_cache(1)
+        model.encode(prompt, cache)
+        outputs[W] = (model.denoise(canvas, cache), model.denoise(canvas, cache, canvas_window="W-1-i"))
+        if W == 8:
+            wide = S.variant_cache(S.SEMANTICS["jax"].replace(canvas_window="W"), model, 1)
+            model.encode(prompt, wide)
+            assert [wide.keys[l].shape[2] for l in range(config.num_hidden_layers)] == [8, 8, 12, 8, 12]
+            assert np.abs(model.denoise(canvas, wide) - outputs[8][0]).max() > 1e-3  # one more prompt key
+    np.testing.assert_array_equal(outputs[40][1], outputs[40][0])
+    assert np.abs(outputs[8][1] - outputs[8][0]).max() > 1e-3  # later queries see fewer prompt keys
