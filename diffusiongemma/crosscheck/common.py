@@ -209,8 +209,6 @@ def compare_runs(peer: PeerRun, ours_calls: list, our_tokens: list, canvas_lengt
     for k in range(n_canvases):
         a = peer.tokens[k * canvas_length:(k + 1) * canvas_length]
         b = our_tokens[k * canvas_length:(k + 1) * canvas_length]
-        if not a and not b:
-            continue
         rows.append({"agree": sum(int(x == y) for x, y in zip(a, b)), "of": max(len(a), len(b)),
                      "steps_peer": peer.steps_per_canvas[k] if k < len(peer.steps_per_canvas) else 0,
                      "steps_ours": our_steps[k]})

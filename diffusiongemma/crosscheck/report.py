@@ -106,8 +106,8 @@ class Report:
         for g in self.generation:
             lines.append(f"  {'ok  ' if g.ok else 'DIFF'} {g.label}  [semantics={g.semantics}, draws={g.draws}]")
             for k, c in enumerate(g.canvases):
-                lines.append(f"       canvas {k}: {c['agree']}/{c['of']} tokens agree, steps peer {c['steps_peer']} "
-                             f"ours {c['steps_ours']}")
+                tokens = f"{c['agree']}/{c['of']} tokens agree" if c["of"] else "no tokens reported (an end token first)"
+                lines.append(f"       canvas {k}: {tokens}, steps peer {c['steps_peer']} ours {c['steps_ours']}")
             if len(g.peer_tokens) != len(g.our_tokens):
                 lines.append(f"       output length: peer {len(g.peer_tokens)}, ours {len(g.our_tokens)}")
             if g.divergence is not None:
