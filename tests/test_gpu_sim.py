@@ -4,9 +4,11 @@ its checks, each proved able to fail on a copy of a real kernel with one line ch
 * execution model: thread/block indices in 3-D, static and dynamic shared memory, barriers, every warp
   shuffle kind and width, ballots, atomics, on a small kernel written for this test;
 * checks: an off-by-one bound (bounds), a removed ``__syncthreads()`` (race), a shuffle inside a divergent
-  branch (divergence), a global write every thread makes to one element and a shared array read before it
-  is written (schedule independence), each reported with the kernel, the argument or shared array, the
-  block, the thread, the index and the source line;
+  branch and a barrier one thread skips (divergence), a global write every thread of a block, or every
+  block, makes to one element (race in global memory; with that check off, schedule independence: the
+  thread and block orders decide the output), a shared array read before it is written (schedule
+  independence, through the differing poison), each reported with the kernel, the argument or shared
+  array, the block, the thread, the index and the source line;
 * launch geometry checks (``__launch_bounds__``, shared-memory limits), NULL pointers, and the stale-build
   rule (a changed source is compiled at run time, never run from an old build).
 """
@@ -14,6 +16,7 @@ its checks, each proved able to fail on a copy of a real kernel with one line ch
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -230,6 +233,12 @@ def test_an_order_dependent_output_is_caught():
     dev = SimDevice(library=lib)
     src = dev.to_device(np.arange(12 * 64, dtype=f32).reshape(12, 64))
     launch = gl.gather_rows(src, dev.to_device(np.array([3, -1, 5], i32)), dev.empty((3, 64), f32))
+    with pytest.raises(KernelCheckError) as info:  # the race check names the write
+        dev.launch(launch)
+    assert info.value.check == "race", str(info.value)
+    assert re.search(r"global-memory race on argument dst index 0: block \(0, 0, 0\) thread \(\d+, 0, 0\) wrote "
+                     r"it and its thread \(\d+, 0, 0\) wrote it with no __syncthreads between", str(info.value))
+    dev.executor.races = False  # without it, the outputs of two thread orders differ
     with pytest.raises(KernelCheckError) as info:
         dev.launch(launch)
     assert info.value.check == "schedule", str(info.value)
@@ -243,6 +252,11 @@ def test_an_output_that_depends_on_the_order_of_the_blocks_is_caught():
     dev = SimDevice(library=lib)
     src = dev.to_device(np.arange(12 * 64, dtype=f32).reshape(12, 64))
     launch = gl.gather_rows(src, dev.to_device(np.array([3, 7, 5, 1], i32)), dev.empty((4, 64), f32))
+    with pytest.raises(KernelCheckError) as info:
+        dev.launch(launch)
+    assert info.value.check == "race" and "(the blocks of a launch are not ordered)" in str(info.value)
+    assert "global-memory race on argument dst index 0: block (0, 0, 0)" in str(info.value)
+    dev.executor.races = False  # without it, the block order decides the output
     with pytest.raises(KernelCheckError) as info:
         dev.launch(launch)
     assert info.value.check == "schedule" and "output dst depends on the order" in str(info.value)

@@ -13,7 +13,8 @@ at run time with ``g++`` into a cache folder (``$DIFFUSIONGEMMA_SIM_CACHE``, def
 * ``KernelLibrary`` — one compiled kernel source: its trampolines and shared-memory layout.
 * ``Executor.run(launch)`` — runs a ``launch.Launch`` (the very object ``fast/gpu/launch.py`` builds for
   CuPy: kernel name, grid, block, dynamic shared memory, packed arguments) on NumPy arrays. Raises
-  ``KernelCheckError`` for an out-of-bounds access (``check`` "bounds"), a shared-memory race ("race"), a
+  ``KernelCheckError`` for an out-of-bounds access (``check`` "bounds"), a shared-memory race, or a global
+  byte written by one block and touched by another or by another thread of its block unsynchronised ("race"), a
   barrier or warp operation not reached by every thread it names ("divergence"), or outputs that depend on
   the order the threads ran in ("schedule"); each message names the kernel, the argument or shared array,
   the block and thread, the index, and the source line.

@@ -30,7 +30,9 @@
 // red zones around it, so an access just past an argument lands in no other argument.
 // Races: a shadow record per shared byte holds the last writer and up to two readers with the barrier
 // generation and warp epoch of their access; two accesses of one generation by different threads, one a
-// write, not ordered by a warp synchronisation of their common warp, are a race.
+// write, not ordered by a warp synchronisation of their common warp, are a race. In global memory the
+// bytes a launch writes are recorded (global_race): another block touching them, or another thread of the
+// block without a barrier between, is a race.
 //
 // The first error stops the launch: the fiber that found it is abandoned before the access happens (kernel
 // code holds no resources), and dg_sim_launch returns 1 with the message in dg_sim_last_error().
@@ -359,6 +361,71 @@ void shared_access(Fiber* f, uintptr_t p, unsigned n, bool write, void* at) {
     }
 }
 
+// Global memory: a hash table of the bytes this launch wrote (address -> block, thread, barrier generation,
+// warp epoch). A byte written by one block and read or written by another is a race (blocks of one launch
+// are not ordered); within a block the shared-memory rule applies (a barrier or a warp synchronisation
+// must separate the two threads' accesses). Reads of bytes nobody wrote in this launch are not recorded,
+// so a read followed by another thread's write is not seen here (the schedule check covers it).
+struct GlobalEntry {
+    uint64_t addr;
+    uint32_t stamp, block, gen, we;
+    uint16_t tid;
+};
+std::vector<GlobalEntry> g_global;
+uint64_t g_global_used = 0;
+uint32_t g_stamp = 0;
+uint32_t g_block_serial = 0;
+
+inline uint64_t mix(uint64_t a) {
+    a ^= a >> 33; a *= 0xff51afd7ed558ccdull; a ^= a >> 33;
+    return a;
+}
+
+GlobalEntry* global_slot(uint64_t addr, bool insert) {
+    if (insert && (g_global.empty() || g_global_used * 2 >= g_global.size())) {
+        std::vector<GlobalEntry> old;
+        old.swap(g_global);
+        g_global.assign(old.empty() ? (1u << 16) : old.size() * 2, GlobalEntry{0, 0, 0, 0, 0, 0});
+        g_global_used = 0;
+        for (const GlobalEntry& e : old)
+            if (e.stamp == g_stamp) { *global_slot(e.addr, true) = e; ++g_global_used; }
+    }
+    if (g_global.empty()) return nullptr;
+    const uint64_t mask = g_global.size() - 1;
+    for (uint64_t i = mix(addr) & mask;; i = (i + 1) & mask) {
+        GlobalEntry& e = g_global[i];
+        if (e.stamp != g_stamp) return insert ? &e : nullptr;
+        if (e.addr == addr) return &e;
+    }
+}
+
+void global_race(Fiber* f, uintptr_t p, unsigned n, bool write, void* at, const DgBuffer& buf) {
+    const uint16_t t = (uint16_t)f->lin;
+    const uint32_t we = g_warp_epoch[f->lin >> 5];
+    for (unsigned i = 0; i < n; ++i) {
+        GlobalEntry* e = global_slot(p + i, false);
+        if (e) {
+            const bool other_block = e->block != g_block_serial;
+            if (other_block || (e->gen == g_gen && e->tid != t && !ordered(e->tid, e->we, f))) {
+                const long long index = (long long)(p + i - buf.lo) / buf.itemsize;
+                const unsigned gx = g_desc->grid[0], gy = g_desc->grid[1];
+                const uint3 ob{e->block % gx, (e->block / gx) % gy, e->block / (gx * gy)};
+                fail(f, "race", fmt("global-memory race on argument %s index %lld: block %s thread %s wrote it and "
+                                    "%s thread %s %s it%s %s", buf.name, index, dims(ob).c_str(), tname(e->tid).c_str(),
+                                    other_block ? ("block " + dims(g_block)).c_str() : "its",
+                                    dims(f->tid).c_str(), write ? "wrote" : "read",
+                                    other_block ? " (the blocks of a launch are not ordered)"
+                                                : " with no __syncthreads between",
+                                    site(at).c_str()));
+            }
+        }
+        if (write) {
+            if (!e) { e = global_slot(p + i, true); ++g_global_used; }
+            *e = GlobalEntry{p + i, g_stamp, g_block_serial, g_gen, we, t};
+        }
+    }
+}
+
 void access(uintptr_t p, unsigned n, bool write, void* at) {
     Fiber* f = g_cur;
     if (!f || g_abort) return;
@@ -372,9 +439,16 @@ void access(uintptr_t p, unsigned n, bool write, void* at) {
     const DgBuffer* b = g_desc->buffers;
     if (nb) {
         const DgBuffer& last = b[g_last_buffer];
-        if (p - last.lo < last.size && p + n - last.lo <= last.size) return;
+        if (p - last.lo < last.size && p + n - last.lo <= last.size) {
+            if (g_desc->checks & 2) global_race(f, p, n, write, at, last);
+            return;
+        }
         for (int i = 0; i < nb; ++i)
-            if (p - b[i].lo < b[i].size && p + n - b[i].lo <= b[i].size) { g_last_buffer = i; return; }
+            if (p - b[i].lo < b[i].size && p + n - b[i].lo <= b[i].size) {
+                g_last_buffer = i;
+                if (g_desc->checks & 2) global_race(f, p, n, write, at, b[i]);
+                return;
+            }
     }
     // out of bounds: report against the nearest argument
     const DgBuffer* near = nullptr;
@@ -724,6 +798,11 @@ __attribute__((visibility("default"))) int dg_sim_launch(const DgLaunchDesc* d) 
     g_desc = d;
     g_last_buffer = 0;
     g_nthreads = (int)(d->block[0] * d->block[1] * d->block[2]);
+    if (++g_stamp == 0) {  // stamp wrap: forget the global table
+        g_global.clear();
+        g_stamp = 1;
+    }
+    g_global_used = 0;
     if ((int)g_fibers.size() < g_nthreads) g_fibers.resize(g_nthreads);
     g_warp_epoch.assign((g_nthreads + 31) / 32, 0);
     g_warp_arrived.assign((g_nthreads + 31) / 32, 0);
@@ -753,6 +832,7 @@ __attribute__((visibility("default"))) int dg_sim_launch(const DgLaunchDesc* d) 
     for (uint64_t k = 0; k < n_blocks && ok; ++k) {
         const uint64_t b = blocks[k];
         g_block = uint3{(unsigned)(b % gx), (unsigned)((b / gx) % gy), (unsigned)(b / (gx * gy))};
+        g_block_serial = (uint32_t)b;
         ok = run_block(d, b);
         if (g_gen > 0xf0000000u) {  // generation wrap: forget the shadow
             g_gen = 1;
