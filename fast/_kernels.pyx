@@ -39,8 +39,10 @@ cdef extern from *:
     #ifdef _OPENMP
     #include <omp.h>
     static int dg_max_threads(void) { return omp_get_max_threads(); }
+    static int dg_openmp_compiled(void) { return 1; }
     #else
     static int dg_max_threads(void) { return 1; }
+    static int dg_openmp_compiled(void) { return 0; }
     #endif
 
     /* Let GCC if-convert the branch-free selects below into vector blends. This changes no value:
@@ -399,6 +401,7 @@ cdef extern from *:
     }
     """
     int dg_max_threads() nogil
+    int dg_openmp_compiled() nogil
     float dg_expf(float x) nogil
     float dg_tanhf(float x) nogil
     float dg_gelu(float x) nogil
@@ -473,6 +476,176 @@ cdef inline const float *_opt(const float[::1] w) noexcept nogil:
     return &w[0] if w is not None else NULL
 
 
+# ============================================================================================ matrix products
+# The products of the decoder and encoder run on NumPy's own OpenBLAS, called directly through its CBLAS
+# entry point (``fast.blas`` finds it and hands its address to ``set_blas``), one BLAS thread per call,
+# and the parallelism is OpenMP's: the output is cut into tiles fixed by the shapes alone and the threads
+# take tiles as they come (dynamic schedule). A BLAS call split statically over its own threads waits for
+# the slowest one, so on a core shared with another process every product waits a scheduler time slice;
+# with tiles taken dynamically, a thread that is descheduled only delays the one tile it holds. Tiles do
+# not depend on the thread count and each is one single-threaded BLAS call, so results are the same with
+# any number of threads.
+ctypedef void (*dg_sgemm_t)(int order, int transa, int transb, int64_t M, int64_t N, int64_t K, float alpha,
+                            const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C,
+                            int64_t ldc) noexcept nogil
+ctypedef void (*dg_set_threads_t)(int n) noexcept nogil
+ctypedef int (*dg_get_threads_t)() noexcept nogil
+
+cdef dg_sgemm_t _sgemm = NULL
+cdef dg_set_threads_t _blas_set_threads = NULL
+cdef dg_get_threads_t _blas_get_threads = NULL
+cdef int _ROW_MAJOR = 101, _NO_TRANS = 111, _TRANS = 112
+
+#: Output tile of ``gemm``: at most this many columns, and this many rows once a product has more than
+#: ``2 * GEMM_TILE_ROWS`` rows.
+GEMM_TILE_COLS = 256
+GEMM_TILE_ROWS = 128
+
+
+def set_blas(size_t sgemm, size_t set_threads, size_t get_threads) -> bool:
+    """Install the CBLAS ``sgemm`` (64-bit integers) and the thread-count functions of the BLAS library
+    NumPy uses (addresses, 0 to uninstall). Products go through ``gemm`` only when the kernels were built
+    with OpenMP (otherwise one multi-threaded BLAS call is as good). Returns whether ``gemm`` is usable."""
+    global _sgemm, _blas_set_threads, _blas_get_threads
+    _sgemm = <dg_sgemm_t><void *>sgemm
+    _blas_set_threads = <dg_set_threads_t><void *>set_threads
+    _blas_get_threads = <dg_get_threads_t><void *>get_threads
+    return has_gemm()
+
+
+def set_blas_threads(int n) -> int:
+    """Set the installed BLAS library's thread count to ``n`` (n > 0; 0 only reads it); returns the previous
+    count, or 0 when no BLAS is installed (``set_blas``)."""
+    if _blas_get_threads == NULL or _blas_set_threads == NULL:
+        return 0
+    cdef int previous = _blas_get_threads()
+    if n > 0 and n != previous:
+        _blas_set_threads(n)
+    return previous
+
+
+def has_gemm() -> bool:
+    """Whether ``gemm`` and ``expert_ffn`` can run (a BLAS is installed and OpenMP is available)."""
+    return (_sgemm != NULL and _blas_set_threads != NULL and _blas_get_threads != NULL
+            and _openmp_compiled())
+
+
+cdef inline bint _openmp_compiled() noexcept:
+    return dg_openmp_compiled() != 0
+
+
+cdef inline int _blas_serial_begin() noexcept nogil:
+    """Set the BLAS library to one thread; returns the previous count (restored by ``_blas_serial_end``)."""
+    cdef int previous = _blas_get_threads()
+    if previous != 1:
+        _blas_set_threads(1)
+    return previous
+
+
+cdef inline void _blas_serial_end(int previous) noexcept nogil:
+    if previous != 1:
+        _blas_set_threads(previous)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def gemm(const float[:, ::1] a, const float[:, ::1] b, bint trans_b, float[:, ::1] out):
+    """``out = a @ b`` (``trans_b`` False, b: (K, N)) or ``out = a @ b.T`` (``trans_b`` True, b: (N, K)).
+
+    a: (M, K), out: (M, N), all float32 with a contiguous last axis (rows may be strided). out must not
+    overlap a or b. Tiles of at most GEMM_TILE_ROWS x GEMM_TILE_COLS run in parallel (dynamic schedule),
+    each as one single-threaded BLAS call; the BLAS library's own thread count is 1 during the call and
+    restored after. Raises ValueError for mismatched shapes, RuntimeError when ``has_gemm()`` is False.
+    Same function as ``numpy.matmul`` (sums in the BLAS's order).
+    """
+    if not has_gemm():
+        raise RuntimeError("gemm: no BLAS installed (fast.blas.install) or no OpenMP")
+    cdef Py_ssize_t M = a.shape[0], K = a.shape[1]
+    cdef Py_ssize_t N = b.shape[0] if trans_b else b.shape[1]
+    cdef Py_ssize_t Kb = b.shape[1] if trans_b else b.shape[0]
+    if Kb != K or out.shape[0] != M or out.shape[1] != N:
+        raise ValueError(f"gemm: shapes {(a.shape[0], a.shape[1])} @ {(b.shape[0], b.shape[1])}"
+                         f"{'.T' if trans_b else ''} -> {(out.shape[0], out.shape[1])} do not match")
+    if M == 0 or N == 0:
+        return
+    cdef Py_ssize_t i, j
+    if K == 0:
+        for i in range(M):
+            for j in range(N):
+                out[i, j] = 0.0
+        return
+    cdef Py_ssize_t tm = M if M <= 2 * GEMM_TILE_ROWS else GEMM_TILE_ROWS
+    cdef Py_ssize_t tn = N if N <= GEMM_TILE_COLS else GEMM_TILE_COLS
+    cdef Py_ssize_t row_tiles = (M + tm - 1) // tm, col_tiles = (N + tn - 1) // tn
+    cdef Py_ssize_t tiles = row_tiles * col_tiles, t, i0, j0, mi, nj
+    cdef int64_t lda = a.strides[0] // sizeof(float), ldc = out.strides[0] // sizeof(float)
+    cdef int64_t ldb = b.strides[0] // sizeof(float)
+    cdef const float *A = &a[0, 0]
+    cdef const float *B = &b[0, 0]
+    cdef float *C = &out[0, 0]
+    cdef int tb = _TRANS if trans_b else _NO_TRANS
+    cdef int nt = _threads(tiles, <double>tm * tn * K / 16.0)
+    cdef int previous
+    with nogil:
+        previous = _blas_serial_begin()
+        for t in prange(tiles, schedule="dynamic", num_threads=nt):
+            i0 = (t // col_tiles) * tm
+            j0 = (t % col_tiles) * tn
+            mi = M - i0 if M - i0 < tm else tm
+            nj = N - j0 if N - j0 < tn else tn
+            _sgemm(_ROW_MAJOR, _NO_TRANS, tb, mi, nj, K, 1.0, A + i0 * lda, lda,
+                   (B + j0 * ldb) if trans_b else (B + j0), ldb, 0.0, C + i0 * ldc + j0, ldc)
+        _blas_serial_end(previous)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, const float[:, :, ::1] w_gate_up,
+               const float[:, :, ::1] w_down, float[:, ::1] gate_up, float[:, ::1] act, float[:, ::1] y):
+    """Every expert's gated MLP on its block of grouped rows, experts in parallel (dynamic schedule).
+
+    x: (R, H) rows grouped by expert (``group_by_expert``): expert e owns rows [offsets[e], offsets[e+1]).
+    w_gate_up: (E, 2I, H) with the gate rows first; w_down: (E, H, I). Work buffers gate_up (R, 2I) and
+    act (R, I); y: (R, H) receives ``(gelu_tanh(x G_e^T) * (x U_e^T)) D_e^T`` row by row. Each expert is one
+    task (two single-threaded BLAS calls around the fused activation), so the result does not depend on the
+    thread count. Replaces the per-expert loop of ``reference.layers.experts`` (before the weighted sum).
+    Raises ValueError for inconsistent shapes or offsets that are not ascending within [0, R].
+    """
+    if not has_gemm():
+        raise RuntimeError("expert_ffn: no BLAS installed (fast.blas.install) or no OpenMP")
+    cdef Py_ssize_t R = x.shape[0], H = x.shape[1], E = w_gate_up.shape[0], I = w_down.shape[2], e
+    if (offsets.shape[0] != E + 1 or w_gate_up.shape[1] != 2 * I or w_gate_up.shape[2] != H
+            or w_down.shape[0] != E or w_down.shape[1] != H):
+        raise ValueError(f"expert_ffn: weights must be ({E}, {2 * I}, {H}) and ({E}, {H}, {I}), "
+                         f"offsets {E + 1} entries")
+    if (gate_up.shape[0] < R or gate_up.shape[1] != 2 * I or act.shape[0] < R or act.shape[1] != I
+            or y.shape[0] < R or y.shape[1] != H):
+        raise ValueError(f"expert_ffn: buffers must be ({R}, {2 * I}), ({R}, {I}) and ({R}, {H})")
+    if offsets[0] != 0 or offsets[E] > R:
+        raise ValueError(f"expert_ffn: offsets must start at 0 and end at most at {R}")
+    for e in range(E):  # validated before any product: a bad offset would read or write out of bounds
+        if offsets[e + 1] < offsets[e]:
+            raise ValueError(f"expert_ffn: offsets decrease at expert {e}")
+    if R == 0 or H == 0 or I == 0:
+        return
+    cdef Py_ssize_t r, n, a0
+    cdef int nt = _threads(E, <double>offsets[E] / E * H * 3 * I / 16.0)
+    cdef int previous
+    with nogil:
+        previous = _blas_serial_begin()
+        for e in prange(E, schedule="dynamic", num_threads=nt):
+            a0 = offsets[e]
+            n = offsets[e + 1] - a0
+            if n > 0:
+                _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, n, 2 * I, H, 1.0, &x[a0, 0], H, &w_gate_up[e, 0, 0], H,
+                       0.0, &gate_up[a0, 0], 2 * I)
+                for r in range(a0, a0 + n):
+                    dg_gelu_gate_row(&gate_up[r, 0], &gate_up[r, I], I, &act[r, 0])
+                _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, n, H, I, 1.0, &act[a0, 0], I, &w_down[e, 0, 0], I,
+                       0.0, &y[a0, 0], H)
+        _blas_serial_end(previous)
+
+
 # ============================================================================================ elementwise
 @cython.boundscheck(False)
 @cython.wraparound(False)
@@ -503,7 +676,7 @@ def rms_norm(const float[:, ::1] x, const float[::1] weight, float eps, float[:,
     cdef Py_ssize_t N = x.shape[0], D = x.shape[1], i
     cdef const float *w = _opt(weight)
     cdef float f
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 2 * D)):
+    for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 2 * D)):
         f = dg_rms_factor(&x[i, 0], D, eps)
         dg_scale_row(&x[i, 0], f, w, D, &out[i, 0])
 
@@ -518,7 +691,7 @@ def residual_norm_add(float[:, ::1] h, const float[:, ::1] y, const float[::1] w
     """
     cdef Py_ssize_t N = h.shape[0], D = h.shape[1], i
     cdef float f
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 2 * D)):
+    for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 2 * D)):
         f = dg_rms_factor(&y[i, 0], D, eps)
         dg_residual_row(&h[i, 0], &y[i, 0], f, &weight[0], scalar, D)
 
@@ -543,7 +716,7 @@ def feed_forward_residual(float[:, ::1] h, float[:, ::1] dense, const float[:, :
         raise ValueError("h, dense and moe must have the same shape")
     if w_dense.shape[0] != D or w_moe.shape[0] != D or w_out.shape[0] != D:
         raise ValueError(f"norm weights must have {D} entries")
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 5 * D)):
+    for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 5 * D)):
         fa = dg_rms_factor(&dense[i, 0], D, eps)
         fb = dg_rms_factor(&moe[i, 0], D, eps)
         dg_add_normed_rows(&dense[i, 0], fa, &w_dense[0], &moe[i, 0], fb, &w_moe[0], D)
@@ -563,7 +736,7 @@ def gelu_gate(const float[:, ::1] gate_up, float[:, ::1] out):
     cdef Py_ssize_t N = out.shape[0], I = out.shape[1], i
     if gate_up.shape[1] != 2 * I or gate_up.shape[0] != N:
         raise ValueError(f"gate_up has shape {tuple(gate_up.shape)[:2]}, expected ({N}, {2 * I})")
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 20 * I)):
+    for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 20 * I)):
         dg_gelu_gate_row(&gate_up[i, 0], &gate_up[i, I], I, &out[i, 0])
 
 
@@ -577,7 +750,7 @@ def softcap(float[:, ::1] x, float cap):
     """
     cdef Py_ssize_t N = x.shape[0], V = x.shape[1], i
     cdef Py_ssize_t bad = 0
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 20 * V)):
+    for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 20 * V)):
         bad += dg_softcap_row(&x[i, 0], cap, V)
     return bad
 
@@ -588,7 +761,7 @@ def count_non_finite_rows(const float[:, ::1] x):
     """Rows of x (N, D) float32 holding a NaN or an infinity."""
     cdef Py_ssize_t N = x.shape[0], D = x.shape[1], i
     cdef Py_ssize_t bad = 0
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, D)):
+    for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, D)):
         bad += dg_non_finite_row(&x[i, 0], D)
     return bad
 
@@ -603,7 +776,7 @@ def softmax(const float[:, ::1] x, float[:, ::1] out):
     """
     cdef Py_ssize_t N = x.shape[0], V = x.shape[1], i
     cdef float m, total
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 15 * V)):
+    for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 15 * V)):
         m = dg_max_row(&x[i, 0], V)
         total = <float>dg_exp_shift_row(&x[i, 0], m, V, &out[i, 0])
         dg_div_row(&out[i, 0], total, V)
@@ -628,7 +801,7 @@ def embed(const int64_t[::1] ids, const float[:, ::1] table, float scale, const 
     for i in range(N):  # every index is validated: an id outside the table would read out of bounds
         if ids[i] < 0 or ids[i] >= V:
             raise IndexError(f"embed: token id {ids[i]} at {i} is outside [0, {V})")
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 3 * H)):
+    for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 3 * H)):
         for k in range(H):
             out[i, k] = table[ids[i], k] * scale
         if has_add:
@@ -673,7 +846,7 @@ def heads(const float[:, :, ::1] proj, Py_ssize_t n_heads, Py_ssize_t n_kv, Py_s
     cdef float f
     cdef const float *src
     cdef float *dst
-    for item in prange(N * S, nogil=True, schedule="static", num_threads=_threads(N * S, 8 * (n_heads + 2 * n_kv) * d)):
+    for item in prange(N * S, nogil=True, schedule="guided", num_threads=_threads(N * S, 8 * (n_heads + 2 * n_kv) * d)):
         n = item // S
         s = item % S
         for h in range(n_heads):
@@ -715,7 +888,7 @@ def masked_softmax(float[:, ::1] scores, const int64_t[::1] q_pos, const int64_t
         raise ValueError(f"{R} score rows are not a whole number of {S}-query groups")
     if T == 0:
         return
-    for i in prange(R, nogil=True, schedule="static", num_threads=_threads(R, 12 * T)):
+    for i in prange(R, nogil=True, schedule="guided", num_threads=_threads(R, 12 * T)):
         dg_masked_softmax_row(&scores[i, 0], T, &key_pos[0], &key_real[0], q_pos[i % S], window, causal)
 
 
@@ -742,7 +915,7 @@ def route(float[:, ::1] logits, const float[::1] per_expert_scale, int64_t[:, ::
         raise ValueError(f"route: indices/weights must have shape ({N}, K <= {E})")
     if per_expert_scale.shape[0] != E:
         raise ValueError(f"route: per_expert_scale has {per_expert_scale.shape[0]} entries, expected {E}")
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, (K + 15) * E)):
+    for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, (K + 15) * E)):
         m = dg_max_row(&logits[i, 0], E)
         total = <float>dg_exp_shift_row(&logits[i, 0], m, E, &logits[i, 0])
         dg_div_row(&logits[i, 0], total, E)
@@ -818,7 +991,7 @@ def gather_rows(const float[:, ::1] src, const int64_t[::1] rows, float[:, ::1] 
     for i in range(M):
         if rows[i] < 0 or rows[i] >= src.shape[0]:
             raise IndexError(f"gather_rows: row {rows[i]} at {i} is outside [0, {src.shape[0]})")
-    for i in prange(M, nogil=True, schedule="static", num_threads=_threads(M, H)):
+    for i in prange(M, nogil=True, schedule="guided", num_threads=_threads(M, H)):
         for k in range(H):
             out[i, k] = src[rows[i], k]
 
@@ -843,7 +1016,7 @@ def combine_experts(const float[:, ::1] expert_out, const int64_t[:, ::1] indice
             if position[i, k] < 0 or position[i, k] >= expert_out.shape[0] or indices[i, k] < 0:
                 raise IndexError(f"combine_experts: token {i}, slot {k} points at grouped row {position[i, k]} "
                                  f"(expert {indices[i, k]}) outside [0, {expert_out.shape[0]})")
-    for i in prange(N, nogil=True, schedule="static", num_threads=_threads(N, 2 * K * H)):
+    for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 2 * K * H)):
         for c in range(H):
             out[i, c] = 0.0
         prev = -1

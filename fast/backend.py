@@ -64,7 +64,11 @@ class CpuBackend:
         self.draft: np.ndarray | None = None
 
     def context(self) -> Any:
-        return contextlib.nullcontext()
+        """The run keeps the BLAS library on one thread throughout (``fast.blas.CpuArrays.serial_blas``): the
+        kernels' tiles are the products' parallelism, and changing the BLAS thread count per call would
+        wake its thread pool every step."""
+        scope = getattr(self.model.xp, "serial_blas", None)
+        return scope() if scope is not None else contextlib.nullcontext()
 
     def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None) -> None:
         B, C, V = self.B, self.C, self.V

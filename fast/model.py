@@ -26,6 +26,7 @@ Not thread-safe: a model owns one workspace; use one model per thread.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Mapping
@@ -43,6 +44,7 @@ from diffusiongemma.reference.weights import check_tensors, load_checkpoint
 from . import _kernels
 from .attention import attend
 from .backend import CpuBackend
+from .blas import CPU_ARRAYS
 from .cache import KVCache
 from .weights import LayerWeights, pack
 
@@ -92,6 +94,19 @@ class Workspace:
         return sum(b.nbytes for b in self._buffers.values())
 
 
+def _serial_blas(method):
+    """Run ``method`` with the BLAS library on one thread (``fast.blas.CpuArrays.serial_blas``) when the
+    model's array module offers it."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        scope = getattr(self.xp, "serial_blas", None)
+        if scope is None:
+            return method(self, *args, **kwargs)
+        with scope():
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 class Model:
     """DiffusionGemma text model on the fast CPU kernels.
 
@@ -105,7 +120,7 @@ class Model:
         self.device = check_device(device)
         check_tensors(tensors, config)
         self.config = config
-        self.xp = np
+        self.xp = CPU_ARRAYS  # NumPy with the products on the kernels' tiled BLAS calls (fast.blas)
         self.ops = _kernels
         packed = pack(config, tensors)
         self.embed_tokens, self.final_norm = packed.embed_tokens, packed.final_norm  # (V, H), (H,)
@@ -156,6 +171,7 @@ class Model:
         return check_token_ids(name, ids, self._check_cache(cache).batch_size, self.config.vocab_size)
 
     # ------------------------------------------------------------------ encoder
+    @_serial_blas
     def encode(self, input_ids: np.ndarray, cache: KVCache, attention_mask: np.ndarray | None = None) -> np.ndarray:
         """Run the causal encoder over new tokens and append their keys/values to ``cache``.
 
@@ -230,6 +246,7 @@ class Model:
         self.decode_rows(ids, np.arange(B, dtype=np.int64), cache, probs, out, mask)
         return out
 
+    @_serial_blas
     def decode_rows(self, canvas: np.ndarray, rows: np.ndarray, cache: KVCache, probs: np.ndarray | None,
                     logits: np.ndarray, sc_mask: np.ndarray | None = None) -> None:
         """The decoder on a subset of batch rows, for callers that manage their own buffers (``generate``).
@@ -429,13 +446,16 @@ class Model:
         gate_up = ws.get("expert_gate_up", (M * K, I2))
         act = ws.get("expert_act", (M * K, I2 // 2))
         y = ws.get("expert_y", (M * K, H))
-        bounds = offsets.tolist()
-        hit = [(e, bounds[e], bounds[e + 1]) for e in range(E) if bounds[e + 1] > bounds[e]]
-        for e, a, b in hit:
-            xp.matmul(grouped[a:b], w.expert_gate_up[e].T, out=gate_up[a:b])
-        ops.gelu_gate(gate_up, act)
-        for e, a, b in hit:
-            xp.matmul(act[a:b], w.expert_down[e].T, out=y[a:b])
+        if getattr(xp, "tiled", False):  # every expert in one parallel loop (fast.blas)
+            ops.expert_ffn(grouped, offsets, w.expert_gate_up, w.expert_down, gate_up, act, y)
+        else:
+            bounds = offsets.tolist()
+            hit = [(e, bounds[e], bounds[e + 1]) for e in range(E) if bounds[e + 1] > bounds[e]]
+            for e, a, b in hit:
+                xp.matmul(grouped[a:b], w.expert_gate_up[e].T, out=gate_up[a:b])
+            ops.gelu_gate(gate_up, act)
+            for e, a, b in hit:
+                xp.matmul(act[a:b], w.expert_down[e].T, out=y[a:b])
         moe = ws.get("moe", (M, H))
         ops.combine_experts(y, indices, position, weights, moe)
         return moe
