@@ -45,7 +45,7 @@ def one_plus_w_norms(monkeypatch):
 
 
 def keep_w_not_w_minus_1(monkeypatch):
-    monkeypatch.setattr(cache_module.KVCache, "capacity",
+    monkeypatch.setattr(cache_module.KVCache, "layer_capacity",
                         lambda self, layer: self.config.sliding_window if self.config.is_sliding(layer) else None)
 
 
