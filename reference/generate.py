@@ -41,7 +41,9 @@ from .errors import ConfigError, InputError
 from .generation_config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from .observer import NULL_OBSERVER, CanvasInfo, GenerationCallback, Observer, StepInfo, notify, readonly
 from .sampling import (StableAndConfident, argmax_tokens, check_logits, entropy_bound_accept, finalize_canvas,
-                       freeze_rows, renoise, scale_logits, softmax_and_entropy, temperature, tokens_per_forward)
+                       freeze_rows, renoise, scale_logits, softmax_and_entropy, tokens_per_forward)
+from .semantics import (Semantics, committed_tokens, finalize_variant, get_semantics, make_stopper,
+                        schedule_temperature, variant_backend, variant_cache)
 
 __all__ = ["GenerationConfig", "GenerationResult", "GenerationCallback", "StepInfo", "CanvasInfo", "generate",
            "DenoisingBackend", "StepOutput", "ReferenceBackend", "run_denoiser", "resolve_config",
@@ -198,7 +200,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
              denoiser: Denoiser | None = None, encoder: Encoder | None = None, cache: Any = None,
              decoder_input_ids: np.ndarray | None = None, self_conditioning_logits: np.ndarray | None = None,
              callback: Any = None, trace: Observer | None = None, backend_options: Mapping[str, Any] | None = None,
-             **overrides: Any) -> GenerationResult:
+             semantics: "str | Semantics | None" = None, **overrides: Any) -> GenerationResult:
     """Generate canvases of C tokens after ``input_ids`` by entropy-bound block diffusion.
 
     model: provides ``config.vocab_size`` (V), ``config.canvas_length`` (C), ``new_cache(B)``, and, unless
@@ -226,6 +228,10 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     trace: an ``Observer`` of the run's internals, e.g. a fresh ``diffusiongemma.trace.TraceRecorder`` (call
         its ``save`` after); it reaches the model's ``denoise`` when that takes an ``observer`` argument.
     backend_options: keyword arguments for ``model.denoising_backend`` (tests and experiments).
+    semantics: run the loop with another implementation's stage choices: a name of
+        ``semantics.SEMANTICS`` (``"transformers"``, the default, ``"jax"``, ``"llama.cpp"``, ``"vllm"``,
+        ``"mlx-vlm"``, ``"diffusers"``) or a ``semantics.Semantics``. Other than transformers', a variant
+        runs on the reference's per-step compute (``semantics.VariantBackend``), never a fast backend.
 
     Lengths (SPEC §8.1): with L0 = P + cache length, ``max_new_tokens`` becomes ``max_length - L0`` when
     ``max_length`` is set and ``max_new_tokens`` is left at 256; the run makes at most
@@ -248,6 +254,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     ``draws.ReplayError`` when a replayed recording does not fit.
     """
     config = resolve_config(model, generation_config, overrides)
+    variant = get_semantics(semantics)
     V, C = int(model.config.vocab_size), int(model.config.canvas_length)
     check_special_ids(config, V)
     ids, mask = check_prompt(input_ids, attention_mask, V)
@@ -258,11 +265,13 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     draws = as_draw_source(random)
     observer.begin_run(model.config, config, ids, mask, draws=draws)
     draws = observer.record_draws(draws)
-    backend = make_backend(model, draws, B, denoiser, observer, dict(backend_options or {}))
+    backend = (make_backend(model, draws, B, denoiser, observer, dict(backend_options or {})) if variant.is_default
+               else variant_backend(variant, model, draws, denoiser, observer, config.max_denoising_steps))
     encode = encoder if encoder is not None else model.encode
 
     with backend.context():
-        cache = check_cache(model.new_cache(B) if cache is None else cache, B)
+        cache = check_cache((model.new_cache(B) if variant.is_default else variant_cache(variant, model, B))
+                            if cache is None else cache, B)
         context_length = P + int(cache.length)  # transformers' cur_len
         n_canvases = math.ceil(new_token_budget(config, context_length) / C)
         check_budget(model.config, ids, mask, cache, n_canvases)  # refuse what cannot fit, before any work
@@ -270,6 +279,8 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
             cache.reserve(context_length + n_canvases * C)
         stopper = (StableAndConfident(config.stability_threshold, config.confidence_threshold)
                    if config.uses_adaptive_stopping else None)
+        if not variant.is_default:
+            stopper = make_stopper(variant, config.stability_threshold, config.confidence_threshold)
 
         sequences = ids.copy()  # (B, P), grows by C per canvas
         ended = np.zeros(B, dtype=bool)  # transformers' finished_sequences
@@ -288,11 +299,11 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
             observer.begin_canvas(canvas)
             backend.begin_canvas(cache, start_sc if k == 0 else None)  # later canvases: no SC (T11)
             draft, steps = denoise_canvas(k, canvas, backend, draws, stopper, config, ended, forward_passes,
-                                          callback, observer, n_canvases, V)
+                                          callback, observer, n_canvases, V, semantics=variant)
             steps_per_canvas.append(steps)
 
             sequences, tokens, ended = commit_canvas(k, draft, steps, sequences, ended, stop_reasons, config,
-                                                     callback, n_canvases)
+                                                     callback, n_canvases, semantics=variant)
             observer.commit(tokens, ended)
             if ended.all():
                 break
@@ -317,11 +328,12 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
 def denoise_canvas(k: int, canvas: np.ndarray, backend: DenoisingBackend, draws: DrawSource,
                    stopper: StableAndConfident | None, config: GenerationConfig, ended: np.ndarray,
                    forward_passes: np.ndarray, callback: Any, observer: Observer, n_canvases: int,
-                   V: int) -> tuple[np.ndarray, int]:
+                   V: int, semantics: Semantics | None = None) -> tuple[np.ndarray, int]:
     """Run the denoising steps of canvas ``k``; return its draft (B, C) int64 and the steps executed.
 
     ``forward_passes`` (B,) is incremented in place. The letters refer to SPEC §8.2 step 3.
     """
+    variant = get_semantics(semantics)
     B, C = canvas.shape
     N = config.max_denoising_steps
     draft = canvas  # transformers starts the draft as the initial canvas (overwritten by step 1)
@@ -333,7 +345,8 @@ def denoise_canvas(k: int, canvas: np.ndarray, backend: DenoisingBackend, draws:
     for step_index, step in enumerate(range(N, 0, -1)):
         forward_passes += ~(finished | ended)  # (a) counted before the pass, for live rows only
         observer.begin_step(~finished)
-        temp = temperature(step, N, config.t_min, config.t_max) if config.uses_temperature else None
+        temp = (schedule_temperature(step, N, config.t_min, config.t_max, variant.temperature)
+                if config.uses_temperature else None)
         out = backend.step(canvas, finished, temp)  # (b)-(e)
         noise = draws.renoise_ids(B, C, V)  # (g) drawn after the categorical draw
         accepted, next_canvas = backend.accept_and_renoise(out.entropies, out.sampled, noise,
@@ -345,7 +358,11 @@ def denoise_canvas(k: int, canvas: np.ndarray, backend: DenoisingBackend, draws:
             step_entropies = freeze_rows(finished, step_entropies, entropies)
             accepted = accepted & ~finished[:, None]
         if stopper is not None:
-            finished = finished | stopper(new_draft, step_entropies)  # (i)
+            finished = finished | (stopper(new_draft, step_entropies) if variant.is_default  # (i)
+                                   else stopper(new_draft, step_entropies, input_canvas=canvas))
+        revealed = getattr(backend, "all_revealed", None)  # a variant sampler's own stop (mlx-vlm)
+        if revealed is not None:
+            finished = finished | revealed
 
         canvas, draft, entropies = next_canvas, new_draft, step_entropies  # (j)
         observer.end_step(temperature=temp, draft=draft, sampled=out.sampled, entropies=entropies,
@@ -358,12 +375,14 @@ def denoise_canvas(k: int, canvas: np.ndarray, backend: DenoisingBackend, draws:
             n_canvases=n_canvases))
         if finished.all():  # (k) only reachable with adaptive stopping
             break
+    if not variant.is_default:  # the variant's commit rule (semantics.committed_tokens)
+        draft = committed_tokens(variant.commit, draft, canvas, finished)
     return draft, step_index + 1
 
 
 def commit_canvas(k: int, draft: np.ndarray, steps: int, sequences: np.ndarray, ended: np.ndarray,
                   stop_reasons: list, config: GenerationConfig, callback: Any,
-                  n_canvases: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  n_canvases: int = 0, semantics: Semantics | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Commit canvas ``k``'s draft (SPEC §8.2 steps 4-5) and report it to the callback.
 
     draft: (B, C) int64 argmax canvas; sequences: (B, T) int64 so far; ended: (B,) bool rows already over;
@@ -376,7 +395,11 @@ def commit_canvas(k: int, draft: np.ndarray, steps: int, sequences: np.ndarray, 
     reached_max_length = None
     if config.max_length is not None:
         reached_max_length = np.full(B, sequences.shape[1] + C >= config.max_length)
-    tokens, now_ended = finalize_canvas(draft, ended, config.eos_token_id, config.pad_token_id, reached_max_length)
+    eos_rule = get_semantics(semantics).eos
+    tokens, now_ended = (finalize_canvas(draft, ended, config.eos_token_id, config.pad_token_id, reached_max_length)
+                         if eos_rule == "transformers" else
+                         finalize_variant(eos_rule, draft, ended, config.eos_token_id, config.pad_token_id,
+                                          reached_max_length))
     has_eos = np.isin(draft, config.eos_token_id).any(axis=1) if config.eos_token_id else np.zeros(B, dtype=bool)
     for b in np.flatnonzero(now_ended & ~ended):
         stop_reasons[b] = {"reason": STOP_EOS if has_eos[b] else STOP_MAX_LENGTH, "canvas": k}

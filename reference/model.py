@@ -25,6 +25,7 @@ from .layers import attend, feed_forward, project_qkv
 from .masks import decoder_visibility, encoder_visibility
 from .observer import NULL_OBSERVER, Observer
 from .sampling import check_logits
+from .semantics import sliding_window_keys
 from .primitives import embed, gated_mlp, rms_norm, rope_cos_sin, rope_inverse_frequencies, softcap
 from .weights import check_tensors, load_checkpoint
 
@@ -272,7 +273,7 @@ class Model:
 
     def denoise(self, canvas: np.ndarray, cache: KVCache, self_conditioning_logits: np.ndarray | None = None,
                 self_conditioning_mask: np.ndarray | None = None, *,
-                observer: Observer = NULL_OBSERVER) -> np.ndarray:
+                observer: Observer = NULL_OBSERVER, canvas_window: str = "W-1") -> np.ndarray:
         """One decoder pass: logits for every canvas position. Never writes the cache.
 
         canvas: (B, C) int token ids in [0, V), C = ``config.canvas_length``, at positions
@@ -283,6 +284,9 @@ class Model:
         self_conditioning_mask: (B,) bool or None (training: per-row switch for self-conditioning).
         observer: an ``observer.Observer`` (e.g. a trace recorder inside a step): it receives the decoder
             input (after self-conditioning) and every layer's output (B, C, H).
+        canvas_window: the prompt keys a canvas query sees in a sliding layer (``semantics.py``): "W-1"
+            (transformers: every retained key, for every query) or "W-1-i" (JAX main: query i sees keys at
+            positions >= L + i - W + 1). "W" is "W-1" on a cache that retains W keys.
         Returns soft-capped logits (B, C, V) float32 (upstream: lm_head output, cast to float32, then
         ``c * tanh(z / c)``).
         Raises ``InputError`` for a wrong canvas length, ids out of range, self-conditioning logits of the
@@ -308,6 +312,9 @@ class Model:
             keys = np.concatenate([cache.keys[l], k], axis=2)  # (B, g, T_l + C, d): read-only use of the cache
             values = np.concatenate([cache.values[l], v], axis=2)
             visible = decoder_visibility(cache.is_real[:, cache.positions(l)], C)  # (B, 1, T_l + C)
+            if canvas_window == "W-1-i" and config.is_sliding(l):  # a per-query window (semantics="jax")
+                window = sliding_window_keys("W-1-i", cache.positions(l), cache.length, C, config.sliding_window)
+                visible = visible & np.concatenate([window, np.ones((C, C), dtype=bool)], axis=1)[None]
             h = self._block_tail(h, attend(q, keys, values, visible), w, w["decoder_layer_scalar"])
             if not np.isfinite(h).all():
                 raise self._non_finite("denoise", f"the output of decoder layer {l}", h, l, cache)

@@ -312,3 +312,20 @@ def test_canvas_window_rules_in_the_decoder():
             assert np.abs(model.denoise(canvas, wide) - outputs[8][0]).max() > 1e-3  # one more prompt key
     np.testing.assert_array_equal(outputs[40][1], outputs[40][0])
     assert np.abs(outputs[8][1] - outputs[8][0]).max() > 1e-3  # later queries see fewer prompt keys
+
+
+def test_command_line_semantics_switch(capsys):
+    import json
+
+    from diffusiongemma.cli.generate_cmd import SEMANTICS_NAMES
+    from diffusiongemma.cli.main import main
+
+    assert SEMANTICS_NAMES == tuple(S.SEMANTICS)
+    runs = {}
+    for name in ("transformers", "jax"):
+        assert main(["generate", "And God said", "-n", "32", "--steps", "4", "--seed", "3", "--json",
+                     "--view", "plain", "--semantics", name]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)["token_ids"]
+    assert runs["transformers"] != runs["jax"]  # JAX commits the sampled canvas, not the argmax
+    assert main(["generate", "x", "--semantics", "jax", "--backend", "cpu"]) == 2
+    assert "--backend reference" in capsys.readouterr().err

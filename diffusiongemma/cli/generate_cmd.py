@@ -12,6 +12,7 @@ import time
 from .argtypes import non_negative_float, positive_float, positive_int, seed
 
 BACKENDS = ["reference", "cpu", "gpu", "gpu-sim"]  # other backends are appended here by their modules
+SEMANTICS_NAMES = ("transformers", "jax", "llama.cpp", "vllm", "mlx-vlm", "diffusers")  # reference.semantics.SEMANTICS
 VIEWS = ("auto", "live", "plain")
 
 
@@ -52,6 +53,9 @@ def register(commands, formatter) -> None:
                      help="checkpoint directory, transformers or converted (default: the shipped tiny-kjv model)")
     gen.add_argument("--backend", choices=BACKENDS, default="reference",
                      help="reference (NumPy), cpu (compiled fast path), gpu (CuPy)")
+    gen.add_argument("--semantics", choices=SEMANTICS_NAMES, default="transformers",
+                     help="run the loop with another implementation's stage choices (docs/PEERS.md); "
+                          "other than transformers, only with --backend reference")
     gen.add_argument("-n", "--max-new-tokens", type=positive_int, default=None, metavar="N",
                      help="new tokens to generate, rounded up to whole canvases " + from_checkpoint("max_new_tokens"))
     gen.add_argument("--max-length", type=positive_int, default=None, metavar="L",
@@ -181,6 +185,8 @@ def run(args) -> int:
     from .live_view import LiveCanvasView
     from .progress import Fanout, ProgressBars, without_library_progress
 
+    if args.semantics != "transformers" and args.backend != "reference":
+        raise ValueError(f"--semantics {args.semantics} runs on the reference's per-step compute: use --backend reference")
     prompt = read_prompt(args)
     seed_value, seed_given = (args.seed, True) if args.seed is not None else (int.from_bytes(os.urandom(4), "big"), False)
     path = args.model or default_model_dir()
@@ -214,8 +220,10 @@ def run(args) -> int:
     t1 = time.perf_counter()
     interrupted = True
     try:
+        variant = {} if args.semantics == "transformers" else {"semantics": args.semantics}
         result = generate(model, np.array([prompt_ids], dtype=np.int64), generation_config=settings,
-                          random=seed_value, callback=Fanout(log, bars, view), **without_library_progress(generate))
+                          random=seed_value, callback=Fanout(log, bars, view), **without_library_progress(generate),
+                          **variant)
         interrupted = False
     finally:
         if bars is not None:
