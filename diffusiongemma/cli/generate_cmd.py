@@ -52,7 +52,7 @@ def register(commands, formatter) -> None:
     gen.add_argument("-m", "--model", default=None, metavar="DIR",
                      help="checkpoint directory, transformers or converted (default: the shipped tiny-kjv model)")
     gen.add_argument("--backend", choices=BACKENDS, default="reference",
-                     help="reference (NumPy), cpu (compiled fast path), gpu (CuPy)")
+                     help="reference (NumPy), cpu (compiled fast path), gpu (CuPy), gpu-sim (the CUDA kernels on the CPU, checked)")
     gen.add_argument("--semantics", choices=SEMANTICS_NAMES, default="transformers",
                      help="run the loop with another implementation's stage choices (docs/PEERS.md); "
                           "other than transformers, only with --backend reference")

@@ -24,7 +24,8 @@ sequence: see ``sampling.py``.
 CuPy is optional: importing this module never imports it. ``Model.from_pretrained(..., device="cuda")``
 raises ``RuntimeError`` naming what is missing (CuPy, a driver, a GPU). The host orchestration is written
 against an array module (``xp``) and a ``Device`` object, so the tests run all of it on the CPU with NumPy
-arrays and emulated kernels (tests/test_gpu_host.py).
+arrays and the unchanged CUDA kernels executed by the checked CPU executor (``device="cuda-sim"``,
+``fast/gpu/sim.py``).
 """
 
 from __future__ import annotations
