@@ -226,7 +226,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     Raises ``InputError`` (bad ``dtype``/``shard_size``), ``FileExistsError`` /
     ``FileNotFoundError`` (``dst`` exists without ``force``, or its parent is missing),
     ``ConfigError`` (bad ``config.json``) or ``CheckpointError`` (bad, missing, unknown or
-    misshapen tensors, differing tied copies, NaN/inf weights, unreadable files).
+    misshapen tensors, differing tied copies, NaN/inf weights, unreadable files), and
+    ``writer.WriteError`` (an ``OSError``) naming the file when the disk is full or a file-size limit
+    is hit, or up front when the destination's file system has less free space than the output needs;
+    the partial output is removed then too. Replacing with ``force`` is atomic (``writer.atomic_directory``).
     """
     if os.path.isfile(src) and os.fspath(src).lower().endswith(".gguf"):  # a llama.cpp file: gguf.py
         from .gguf import convert_gguf
