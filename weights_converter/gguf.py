@@ -631,6 +631,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "f
                                                     for sources in plan.values() for s in sources))},
             "converter": {"name": "diffusiongemma.weights_converter", "version": __version__},
             "weight_map": weight_map,
+            "file_digests": dict(writer.digests),  # lets readers detect files of another conversion
         })
     skipped = {"rope_freqs": 1} if ROPE_FREQS in checkpoint.tensors else {}
     if OUTPUT in checkpoint.tensors:
