@@ -161,20 +161,21 @@ STAGES = ("attention", "dense MLP", "experts", "output projection", "self-condit
 
 
 class _TimedXp:
-    """Array module for ``StageProfile``: NumPy, with each matrix product charged to the stage of its weight."""
+    """Array module for ``StageProfile``: the model's own (``fast.blas.CpuArrays``), with the products that
+    read the embedding charged to the output projection or the self-conditioning product."""
 
-    def __init__(self, profile):
-        self._profile = profile
+    def __init__(self, profile, inner):
+        self._profile, self._inner = profile, inner
 
     def __getattr__(self, name):
-        return getattr(np, name)
+        return getattr(self._inner, name)
 
     def matmul(self, a, b, out=None):
         stage = self._profile.product_stage(b)
         if stage is None:
-            return np.matmul(a, b, out=out)
-        with self._profile.stage(stage, 2.0 * a.size * b.shape[-1] if stage != "attention" else 0.0):
-            return np.matmul(a, b, out=out)
+            return self._inner.matmul(a, b, out=out)
+        with self._profile.stage(stage, 2.0 * a.size * b.shape[-1]):
+            return self._inner.matmul(a, b, out=out)
 
 
 class _TimedOps:
@@ -235,8 +236,6 @@ class StageProfile:
         base = b if b.base is None else b.base
         if base is m.embed_tokens:
             return "output projection" if b is not m.embed_tokens else "self-conditioning product"
-        if base is m.sc_gate_up or base is m.sc_down:
-            return "self-conditioning MLP"
         return None  # the other products are timed by the stage that makes them
 
     # ---------------------------------------------------------------- wrapping
@@ -247,7 +246,7 @@ class StageProfile:
         self._originals = originals
         self._xp, self._ops, self._attend = m.xp, m.ops, self._module.attend
         self._call = self._sampler_class.__call__
-        m.xp, m.ops = _TimedXp(self), _TimedOps(self, m.ops)
+        m.xp, m.ops = _TimedXp(self, m.xp), _TimedOps(self, m.ops)
         profile = self
 
         def encode(*args, **kwargs):
@@ -495,7 +494,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--configs", nargs="+", default=["small", "medium"], choices=sorted(SETUPS))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--phases", nargs="+", default=["quiet", "contended"], choices=["quiet", "contended"])
+    parser.add_argument("--phases", nargs="*", default=["quiet", "contended"], choices=["quiet", "contended"])
     parser.add_argument("--no-stages", dest="stages", action="store_false")
     parser.add_argument("--no-sampling", dest="sampling", action="store_false")
     parser.add_argument("--no-transformers", action="store_true")
