@@ -213,3 +213,30 @@ def test_named_tests_exist_and_every_trap_names_one():
     assert len(rows) >= 24
     without = [line.split("|")[1].strip() for line in rows if not TEST_REF.search(line)]
     assert not without, f"traps without a pinning test: {without}"
+
+
+def test_readme_folder_map_matches_the_tree():
+    """Every file the README's folder map names exists in its folder, and every module of the specification
+    and of the fast paths is named there (the map is how a reader finds things)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("## Map of the folders"):readme.index("### One canvas, in file order")]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert rows, "no folder rows in the README's map"
+    missing, unnamed = [], []
+    for row in rows:
+        folder = re.match(r"\| `([^`]+)/`", row).group(1)
+        names = set(re.findall(r"`([A-Za-z_][\w./-]*\.(?:py|pyx|md|sh))`", row))
+        for name in names:
+            candidates = [root / folder / name, root / name] + [d / name for d in (root / folder).iterdir() if d.is_dir()]
+            if not any(p.exists() for p in candidates):
+                missing.append(f"{folder}/{name}")
+        if folder in ("reference", "fast", "fast/gpu"):
+            for path in sorted((root / folder).glob("*.py*")):
+                if path.suffix in (".py", ".pyx") and path.name != "__init__.py" and path.name not in names:
+                    unnamed.append(f"{folder}/{path.name}")
+    assert not missing, f"the README's map names files that do not exist: {missing}"
+    assert not unnamed, f"modules the README's map does not name: {unnamed}"
