@@ -7,12 +7,14 @@ summation order (see ``fast/_kernels.pyx`` for where the numbers can differ, and
 
 * weights are repacked once: q/k/v projections concatenated into one matrix per layer, gate and up
   projections of the dense MLP and of the self-conditioning MLP likewise, so each is one BLAS call;
-* matrix products run on NumPy's BLAS with ``out=`` into a ``Workspace`` of reused buffers; everything
+* matrix products run on NumPy's OpenBLAS as tiles taken by the kernels' threads (``fast.blas``; the
+  BLAS itself on one thread), with ``out=`` into a ``Workspace`` of reused buffers; everything
   between them (norms, RoPE, GELU, the masked attention softmax, routing, soft-cap) is a fused kernel
   of ``_kernels``; attention (``fast.attention``) shares each KV head among its query heads as strided
   views, never repeating keys or values;
 * the KV cache (``fast.cache.KVCache``) is preallocated; sliding layers are rings of ``W - 1`` slots;
-* experts run once per expert on the gathered block of tokens routed to it (tokens sorted by expert);
+* experts run once per expert on the gathered block of tokens routed to it (tokens sorted by expert),
+  all experts of a layer in one parallel loop (``_kernels.expert_ffn``);
 * ``denoise`` can write into a caller's ``out`` array and computes the self-conditioning softmax in that
   same array before the logits overwrite it, so a denoising step allocates nothing proportional to the
   vocabulary or to the cache once the workspace has warmed up.
