@@ -239,6 +239,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--samples", type=int, default=6, help="extra prompts taken from held-out chapters")
     ap.add_argument("--seeds", type=int, default=10, help="seeds of the default 'And God said' run")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="the same for every checkpoint")
+    ap.add_argument("--steps", type=int, default=0, help="max denoising steps (0: the checkpoint's)")
+    ap.add_argument("--fixed-t", action="store_true", help="also canvas CE at t = 0.25/0.5/0.75/0.999")
+    ap.add_argument("--no-losses", action="store_true", help="samples only (the losses need no sampler)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", default="", help="also write the numbers to this file")
     args = ap.parse_args(argv)
@@ -248,6 +251,8 @@ def main(argv=None) -> dict:
     tokenizer = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(args.model, dtype=torch.float32)
     model.eval()
+    if args.steps:
+        model.generation_config.max_denoising_steps = args.steps
     C = model.config.canvas_length
     test_chapters = TT.load_chapters(str(data), "test", tokenizer)
     test_plain, test_spaced = TT.load_verses(str(data), "test", tokenizer)
@@ -256,27 +261,28 @@ def main(argv=None) -> dict:
     res = {"model": args.model, "canvas_length": C, "generation_config": model.generation_config.to_dict()}
     res["unigram_entropy"] = unigram_entropy(train_plain, model.config.text_config.vocab_size)
     print(f"unigram baseline CE          {res['unigram_entropy']:.4f} nats/token")
-    h = heldout_running(model, test_chapters, args.batches, args.batch_size, args.seed)
-    res["running"] = h
-    print(f"held-out running text, canvas CE (t ~ U(0.001, 1), self-cond coin; {h['positions']} positions)")
-    print(f"  all positions              {h['all']:.4f}")
-    print(f"  real tokens                {h['tokens']:.4f}   (context <= 48: {h['short_context']:.4f}, "
-          f">= 128: {h['long_context']:.4f})")
-    print(f"  <eos> fill (chapter end)   {h['fill']:.4f}   ({h['fill_positions']} positions)")
-    print(f"  encoder AR CE              {h['ar']:.4f}")
-    for t in (0.25, 0.5, 0.75, 0.999):
-        d = heldout_running(model, test_chapters, args.batches, args.batch_size, args.seed, t)
-        res[f"running_t{t}"] = d
-        print(f"  at t={t:<5} real tokens     {d['tokens']:.4f}")
-    v = heldout_losses(model, test_plain, test_spaced, args.batches // 2, args.batch_size, args.seed)
-    res["verses"] = v
-    print(f"held-out verses, canvas CE: real verse tokens {v['tokens']:.4f}, <eos> fill {v['fill']:.4f}, "
-          f"all {v['all']:.4f}, encoder AR {v['ar']:.4f}")
+    if not args.no_losses:
+        h = heldout_running(model, test_chapters, args.batches, args.batch_size, args.seed)
+        res["running"] = h
+        print(f"held-out running text, canvas CE (t ~ U(0.001, 1), self-cond coin; {h['positions']} positions)")
+        print(f"  all positions              {h['all']:.4f}")
+        print(f"  real tokens                {h['tokens']:.4f}   (context <= 48: {h['short_context']:.4f}, "
+              f">= 128: {h['long_context']:.4f})")
+        print(f"  <eos> fill (chapter end)   {h['fill']:.4f}   ({h['fill_positions']} positions)")
+        print(f"  encoder AR CE              {h['ar']:.4f}")
+        for t in (0.25, 0.5, 0.75, 0.999) if args.fixed_t else ():
+            d = heldout_running(model, test_chapters, args.batches, args.batch_size, args.seed, t)
+            res[f"running_t{t}"] = d
+            print(f"  at t={t:<5} real tokens     {d['tokens']:.4f}")
+        v = heldout_losses(model, test_plain, test_spaced, args.batches // 2, args.batch_size, args.seed)
+        res["verses"] = v
+        print(f"held-out verses, canvas CE: real verse tokens {v['tokens']:.4f}, <eos> fill {v['fill']:.4f}, "
+              f"all {v['all']:.4f}, encoder AR {v['ar']:.4f}")
 
-    vc = heldout_verses_in_context(model, verses_in_context(data, tokenizer), args.batch_size, args.seed)
-    res["verses_in_context"] = vc
-    print(f"held-out verses in their chapter context, canvas CE on verse tokens {vc['tokens']:.4f} "
-          f"({vc['verses']} verses, {vc['positions']} positions)")
+        vc = heldout_verses_in_context(model, verses_in_context(data, tokenizer), args.batch_size, args.seed)
+        res["verses_in_context"] = vc
+        print(f"held-out verses in their chapter context, canvas CE on verse tokens {vc['tokens']:.4f} "
+              f"({vc['verses']} verses, {vc['positions']} positions)")
 
     words = corpus_words(data)
     rng = np.random.default_rng(args.seed)

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -422,6 +423,24 @@ def save_checkpoint(model, out: str, tokenizer_path: Path, spec: ModelSpec, meta
 # training loop
 
 
+def data_split(data: str) -> dict:
+    """Which text the run trained on and which it held out, as written into train_meta.json (the split
+    itself is made by examples/prepare_data.py, whose constants are read here)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_data", HERE / "prepare_data.py")
+    pd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pd)
+    test_verses = f"every {pd.TEST_EVERY}th verse (verse index i % {pd.TEST_EVERY} == {pd.TEST_EVERY - 1})"
+    if data == "chapters":
+        return dict(train="examples/data/kjv_chapters_train.txt: every chapter outside the held-out books, "
+                          "its verses joined by spaces, without the test verses",
+                    heldout_books=list(pd.HELDOUT_BOOKS), heldout_verses=test_verses,
+                    eos="only where a chapter ends (the canvas fill after its last token)")
+    return dict(train="examples/data/kjv_train.txt: one verse per example", heldout_verses=test_verses,
+                eos="after every verse")
+
+
 def lr_at(cfg: TrainConfig, step: int, frac_time: float) -> float:
     """Linear warmup over ``warmup_steps``, then cosine (in elapsed wall-clock fraction) to min_lr."""
     if step < cfg.warmup_steps:
@@ -483,7 +502,8 @@ def train(cfg: TrainConfig, spec: ModelSpec) -> None:
 
     def meta() -> dict:
         return dict(step=step, minutes=round((time.time() - t0) / 60, 2), train=asdict(cfg),
-                    model=asdict(spec), text_params=n_params)
+                    model=asdict(spec), text_params=n_params, data_split=data_split(cfg.data),
+                    command="OMP_NUM_THREADS=1 python examples/train_tiny.py " + " ".join(sys.argv[1:]))
 
     while True:
         elapsed = time.time() - t0

@@ -92,9 +92,9 @@ def test_temp_gives_one_temperature_at_every_step(capsys, model):
 
 def test_ignore_eos_runs_the_whole_budget(capsys, model):
     C = model.config.canvas_length
-    plain = run_json(capsys, "And God said", "--seed", "1", "-n", str(4 * C))
-    ignored = run_json(capsys, "And God said", "--seed", "1", "-n", str(4 * C), "--ignore-eos")
-    assert plain["stop_reason"]["reason"] == "eos"  # the shipped model ends its verse
+    plain = run_json(capsys, "And God said", "--seed", "9", "-n", str(4 * C))
+    ignored = run_json(capsys, "And God said", "--seed", "9", "-n", str(4 * C), "--ignore-eos")
+    assert plain["stop_reason"]["reason"] == "eos"  # on seed 9 the shipped model ends a chapter in canvas 3
     assert ignored["settings"]["eos_token_id"] in ([], None)
     assert ignored["canvases"] == 4 and ignored["stop_reason"] == {"reason": "max_new_tokens", "canvas": 3}
     end = plain["token_ids"].index(1) + 1  # EOS id 1; pads follow it in the run that stops
@@ -103,14 +103,14 @@ def test_ignore_eos_runs_the_whole_budget(capsys, model):
 
 def test_stop_reason_matches_the_library_and_is_said_in_text(capsys, model):
     C = model.config.canvas_length
-    out = run_json(capsys, "And God said", "--seed", "1", "-n", str(4 * C))
+    out = run_json(capsys, "And God said", "--seed", "9", "-n", str(4 * C))  # seed 9 ends with EOS (canvas 3)
     settings = GenerationConfig.from_dict(out["settings"])
-    result = generate(model, np.array([out["prompt_token_ids"]]), generation_config=settings, random=1)
+    result = generate(model, np.array([out["prompt_token_ids"]]), generation_config=settings, random=9)
     assert out["stop_reason"] == result.stop_reasons[0]
     k = out["stop_reason"]["canvas"]
     assert 1 in out["token_ids"][k * C:(k + 1) * C] and 1 not in out["token_ids"][:k * C]  # EOS id 1 there
     assert out["stop"] == f"stopped: EOS in canvas {k + 1} of 4"
-    assert main(["generate", "And God said", "--seed", "1", "-n", str(4 * C), *SMALL]) == 0
+    assert main(["generate", "And God said", "--seed", "9", "-n", str(4 * C), *SMALL]) == 0
     assert f"stopped: EOS in canvas {k + 1} of 4" in capsys.readouterr().err
 
     budget = run_json(capsys, "And God said", "--seed", "1", "-n", str(C), "--ignore-eos")
