@@ -7,7 +7,7 @@ Prints (every number at settings that are the same for every checkpoint, so two 
   of their verses one by one): canvas CE of the training objective (self-conditioning coin,
   t ~ U(0.001, 1)) on windows drawn as in training (``train_tiny.make_running_batch``: canvas start
   uniform over tokens, context up to 224 tokens, half of them at most 48), split into real tokens and the
-  <eos> fill after a chapter end, plus the encoder AR CE; canvas CE at fixed t (0.25 / 0.5 / 0.75 / 0.999)
+  <eos> fill after a chapter end, plus the encoder AR CE; with ``--fixed-t`` canvas CE at fixed t (0.25 / 0.5 / 0.75 / 0.999)
   and at short (<= 48) and long (>= 128) contexts;
 * held-out verses (``kjv_test.txt``: every 50th verse, never trained on by either shipped model): the
   verse objective of the first model (prompt = <bos> + first words of a verse, response = its rest);
