@@ -193,6 +193,62 @@ class CallRecorder:
         return logits
 
 
+class TorchDrawRecorder:
+    """Records a torch-based peer's random draws and decoder calls into a ``PeerRun`` while it generates.
+
+    Use as a context manager around the peer's generate: ``torch.randint`` / ``torch.multinomial`` and
+    ``model.forward`` are wrapped for the duration and restored after. A ``randint`` right after a decoder
+    call or a categorical draw is the step's renoise draw; any other ``randint`` starts a canvas (its
+    initial ids). ``multinomial`` results are kept as (B, C) categorical draws; every decoder call is kept as
+    (canvas, step, decoder_input_ids, float32 logits).
+    """
+
+    def __init__(self, model: Any, run: PeerRun, batch_size: int, canvas_length: int):
+        self.model, self.run, self.B, self.C = model, run, batch_size, canvas_length
+        self.previous: str | None = None
+        self.canvas, self.step = -1, 0
+
+    def __enter__(self) -> "TorchDrawRecorder":
+        import torch
+
+        self._torch = torch
+        self._randint, self._multinomial, forward = torch.randint, torch.multinomial, self.model.forward
+        run = self.run
+
+        def randint(*args, **kw):
+            out = self._randint(*args, **kw)
+            kind = "renoise" if self.previous in ("call", "categorical") else "canvas"
+            if kind == "canvas":
+                self.canvas, self.step = self.canvas + 1, 0
+                run.steps_per_canvas.append(0)
+            run.tape.append((kind, out.numpy().astype(np.int64)))
+            self.previous = kind
+            return out
+
+        def multinomial(probs, num_samples, *args, **kw):
+            out = self._multinomial(probs, num_samples, *args, **kw)
+            run.tape.append(("categorical", out.view(self.B, self.C).numpy().astype(np.int64)))
+            self.previous = "categorical"
+            return out
+
+        def recording_forward(*args, **kw):
+            out = forward(*args, **kw)
+            run.calls.append((self.canvas, self.step, kw["decoder_input_ids"].numpy().copy(),
+                              out.logits.detach().float().numpy().copy()))
+            self.step += 1
+            run.steps_per_canvas[-1] += 1
+            self.previous = "call"
+            return out
+
+        torch.randint, torch.multinomial = randint, multinomial
+        self.model.forward = recording_forward  # generate() binds self.forward as its decoder
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._torch.randint, self._torch.multinomial = self._randint, self._multinomial
+        del self.model.forward
+
+
 def compare_runs(peer: PeerRun, ours_calls: list, our_tokens: list, canvas_length: int,
                  logit_tolerance: float) -> tuple[list[dict], Divergence | None]:
     """Per-canvas agreement and the first divergence between a peer run and ours.

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import transformers_peer
-from .common import ForwardInputs, PeerRun, PeerUnavailable
+from .common import ForwardInputs, PeerRun, PeerUnavailable, TorchDrawRecorder
 
 NAME = "diffusers"
 SEMANTICS = "diffusers"
@@ -112,48 +112,11 @@ class Peer:
         pipe = DiffusionGemmaPipeline(model=model, scheduler=scheduler, processor=_PromptProcessor(prompt, eos))
         pipe.set_progress_bar_config(disable=True)
         run = PeerRun(tokens=[])
-        randint, multinomial = torch.randint, torch.multinomial
-        previous = [None]
-        position = {"canvas": -1, "step": 0}
-
-        def recording_randint(*args, **kw):
-            out = randint(*args, **kw)
-            kind = "renoise" if previous[0] in ("call", "categorical") else "canvas"
-            if kind == "canvas":
-                position["canvas"] += 1
-                position["step"] = 0
-                run.steps_per_canvas.append(0)
-            run.tape.append((kind, out.numpy().astype(np.int64)))
-            previous[0] = kind
-            return out
-
-        def recording_multinomial(probs, num_samples, *args, **kw):
-            out = multinomial(probs, num_samples, *args, **kw)
-            run.tape.append(("categorical", out.view(B, C).numpy().astype(np.int64)))
-            previous[0] = "categorical"
-            return out
-
-        forward = model.forward
-
-        def recording_forward(*args, **kw):
-            out = forward(*args, **kw)
-            run.calls.append((position["canvas"], position["step"], kw["decoder_input_ids"].numpy().copy(),
-                              out.logits.detach().float().numpy().copy()))
-            position["step"] += 1
-            run.steps_per_canvas[-1] += 1
-            previous[0] = "call"
-            return out
-
-        torch.randint, torch.multinomial = recording_randint, recording_multinomial
-        model.forward = recording_forward
-        try:
+        with TorchDrawRecorder(model, run, B, C):
             out = pipe(prompt="(ids given by the processor stand-in)", gen_length=settings.max_new_tokens,
                        num_inference_steps=settings.max_denoising_steps, temperature=0.0,
                        stability_threshold=settings.stability_threshold if settings.stability_threshold is not None else 1,
                        confidence_threshold=settings.confidence_threshold if settings.stability_threshold is not None
                        else None, eos_token_id=eos, generator=torch.Generator().manual_seed(seed), output_type="seq")
-        finally:
-            torch.randint, torch.multinomial = randint, multinomial
-            del model.forward
         run.tokens = [int(t) for t in out.sequences.numpy()[0]]
         return run

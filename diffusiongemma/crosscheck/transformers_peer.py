@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import ForwardInputs, PeerRun, PeerUnavailable, run_forward
+from .common import ForwardInputs, PeerRun, PeerUnavailable, TorchDrawRecorder, run_forward
 
 NAME = "transformers"
 SEMANTICS = "transformers"
@@ -90,37 +90,6 @@ class Peer:
         model = self.model
         B, C = prompt.shape[0], int(model.config.canvas_length)
         run = PeerRun(tokens=[])
-        randint, multinomial = torch.randint, torch.multinomial
-        previous = [None]
-        position = {"canvas": -1, "step": 0}
-
-        def recording_randint(*args, **kw):
-            out = randint(*args, **kw)
-            kind = "renoise" if previous[0] == "categorical" else "canvas"
-            run.tape.append((kind, out.numpy().astype(np.int64)))
-            previous[0] = kind
-            if kind == "canvas":
-                position["canvas"] += 1
-                position["step"] = 0
-                run.steps_per_canvas.append(0)
-            return out
-
-        def recording_multinomial(probs, num_samples, *args, **kw):
-            out = multinomial(probs, num_samples, *args, **kw)
-            run.tape.append(("categorical", out.view(B, C).numpy().astype(np.int64)))
-            previous[0] = "categorical"
-            return out
-
-        forward = model.forward
-
-        def recording_forward(*args, **kw):
-            out = forward(*args, **kw)
-            run.calls.append((position["canvas"], position["step"], kw["decoder_input_ids"].numpy().copy(),
-                              out.logits.detach().float().numpy().copy()))
-            position["step"] += 1
-            run.steps_per_canvas[-1] += 1
-            return out
-
         kwargs = dict(max_new_tokens=settings.max_new_tokens, max_denoising_steps=settings.max_denoising_steps,
                       t_min=settings.t_min, t_max=settings.t_max, stability_threshold=settings.stability_threshold,
                       confidence_threshold=settings.confidence_threshold,
@@ -128,13 +97,8 @@ class Peer:
         from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
         kwargs["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=settings.entropy_bound)
-        torch.randint, torch.multinomial = recording_randint, recording_multinomial
-        model.forward = recording_forward  # generate() binds self.forward as its decoder
-        try:
+        with TorchDrawRecorder(model, run, B, C):
             torch.manual_seed(seed)
             out = model.generate(torch.tensor(prompt), **kwargs)
-        finally:
-            torch.randint, torch.multinomial = randint, multinomial
-            del model.forward
         run.tokens = [int(t) for t in out.sequences.numpy()[0, prompt.shape[1]:]]
         return run
