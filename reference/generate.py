@@ -115,18 +115,21 @@ class ReferenceBackend:
 
     denoise: (canvas (B, C) int64, cache, sc_logits (B, C, V) float32 or None) -> soft-capped logits
         (B, C, V) float32 (``model.denoise`` or a replacement); its inputs are read-only.
-    draws: the run's ``DrawSource``. observer: receives the logits of every step.
+    draws: the run's ``DrawSource``. observer: receives the logits of every step. context: returns the
+        context manager the run executes in (default: none).
     The self-conditioning input of the next step is this step's processed (temperature-scaled) logits; a
     row that had finished keeps its previous input (SPEC §7.1, §8.2 h).
     """
 
-    def __init__(self, denoise: Denoiser, draws: DrawSource, vocab_size: int, observer: Observer = NULL_OBSERVER):
+    def __init__(self, denoise: Denoiser, draws: DrawSource, vocab_size: int, observer: Observer = NULL_OBSERVER,
+                 context: Callable[[], Any] = contextlib.nullcontext):
         self.denoise, self.draws, self.V, self.observer = denoise, draws, int(vocab_size), observer
+        self._context = context  # what the run executes in (a GPU model's device context for a host denoiser)
         self.cache: Any = None
         self.sc_logits: np.ndarray | None = None  # (B, C, V) float32 next step's self-conditioning input
 
     def context(self) -> Any:
-        return contextlib.nullcontext()
+        return self._context()
 
     def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None) -> None:
         self.cache, self.sc_logits = cache, sc_logits

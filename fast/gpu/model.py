@@ -50,22 +50,6 @@ from .device import CupyDevice, gpu_available, make_device
 from .sampling import GpuBackend, _StepOutputs, _flat_rows, raise_for_flags
 
 
-class _HostStep:
-    """A host-side step (a replaced denoiser) run inside the device's context."""
-
-    def __init__(self, step: Any, device: Any):
-        self._step, self._device = step, device
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._step, name)
-
-    def context(self) -> Any:
-        return self._device.context()
-
-__all__ = ["Model", "GpuKVCache", "CupyDevice", "generate", "gpu_available"]
-
-
-# ================================================================================================ model
 class Model:
     """DiffusionGemma with its weights resident on a GPU.
 
@@ -106,7 +90,7 @@ class Model:
         ``GpuBackend`` (device buffer and kernels), or, for a replaced host ``denoiser``, the reference's step
         inside the device context."""
         if denoiser is not None:
-            return _HostStep(ReferenceBackend(denoiser, draws, self.config.vocab_size, observer), self.device)
+            return ReferenceBackend(denoiser, draws, self.config.vocab_size, observer, context=self.device.context)
         return GpuBackend(self, draws, batch_size, observer=observer, logits_hook=logits_hook)
 
     def softcapped_host_logits(self, buffer, rows: np.ndarray, cap: float) -> np.ndarray:
