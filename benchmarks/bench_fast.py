@@ -46,13 +46,13 @@ from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
 from diffusiongemma import fast  # noqa: E402
 import diffusiongemma.fast.model  # noqa: E402,F401  (fast.model.CPU_ARRAYS)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the tests package
-from tests.random_weights import make_config, random_tensors  # noqa: E402
+from diffusiongemma.tiny import make_config, random_tensors  # noqa: E402
 from diffusiongemma.reference.draws import SeededDraws  # noqa: E402
 from diffusiongemma.reference.generate import generate as reference_generate  # noqa: E402
 from diffusiongemma.reference.model import Model as ReferenceModel  # noqa: E402
-from diffusiongemma.reference.sampling import (argmax_tokens, check_logits, entropy_bound_accept,  # noqa: E402
-                                               renoise, scale_logits, softmax_and_entropy)
+from diffusiongemma.reference.sampling import (argmax_tokens, entropy_bound_accept, renoise, scale_logits,
+                                               softmax_and_entropy)
+from diffusiongemma.reference.support.logits import check_logits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -116,7 +116,7 @@ def git_commit() -> str:
 def transformers_model(config, tensors):
     """A transformers DiffusionGemmaForBlockDiffusion (fp32, eager) holding exactly ``tensors``."""
     import torch
-    from tests.hf_tiny import SLIDING, TinySpec, hf_config
+    from diffusiongemma.tiny import SLIDING, TinySpec, hf_config
     from transformers import DiffusionGemmaForBlockDiffusion
 
     from diffusiongemma.weights_converter.names import hf_name

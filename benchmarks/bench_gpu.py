@@ -25,9 +25,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the tests package
 from common import MEDIUM, MEDIUM_PROMPT, machine_facts  # noqa: E402
-from tests.hf_tiny import FULL, SLIDING, TinySpec, hf_config, randomise_  # noqa: E402
+from diffusiongemma.tiny import FULL, SLIDING, TinySpec, hf_config, randomise_  # noqa: E402
 
 # two layers (one sliding, one full) with the released 26B model's per-layer shapes (SPEC §1, §5.2)
 LAYERS_26B = TinySpec(vocab_size=262_144, hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,

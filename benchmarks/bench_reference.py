@@ -23,8 +23,8 @@ def main() -> None:
     import torch
 
     from diffusiongemma.reference.model import Model
-    from tests.hf_oracle import hf_cache, hf_denoise, hf_encode
-    from tests.hf_tiny import save_tiny, tiny_model
+    from diffusiongemma.crosscheck.transformers_peer import hf_cache, hf_denoise, hf_encode
+    from diffusiongemma.tiny import save_tiny, tiny_model
 
     torch.set_num_threads(1)
     print(machine_facts())

@@ -6,12 +6,9 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the tests package (tests.hf_tiny)
-
-from tests.hf_tiny import FULL, SLIDING, TinySpec  # noqa: E402
+from diffusiongemma.tiny import FULL, SLIDING, TinySpec  # noqa: E402
 
 SMALL = TinySpec(vocab_size=8192, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                  layer_types=[SLIDING, FULL, SLIDING, FULL], num_attention_heads=4, num_key_value_heads=2,

@@ -52,7 +52,7 @@ SHIPPED = "tiny-kjv"
 
 
 def _spec(name: str):
-    from tests.hf_tiny import FULL, SLIDING, TinySpec
+    from diffusiongemma.tiny import FULL, SLIDING, TinySpec
 
     if name == "tiny-a":
         return TinySpec()  # SPEC §14's tiny config
@@ -86,7 +86,7 @@ def tiny_checkpoint(name: str, directory: str):
     """
     import torch
 
-    from tests.hf_tiny import save_tiny, tiny_model
+    from diffusiongemma.tiny import save_tiny, tiny_model
 
     hf = tiny_model(_spec(name), seed=CASES[name]["seed"])
     with torch.no_grad():
@@ -121,7 +121,7 @@ def settings_for(name: str, config, eos: tuple[int, ...]):
 # ------------------------------------------------------------------------------------------------ checks
 def replay_reference(model_dir: str, trace_path: str, out_path: str, layers: bool = True, **recorder_options):
     """The NumPy reference on the prompt, settings and draws of ``trace_path``; writes ``out_path``."""
-    from diffusiongemma.reference.draws import ReplayDraws
+    from diffusiongemma.reference.support.replay import ReplayDraws
     from diffusiongemma.reference.generate import generate
     from diffusiongemma.reference.generation_config import GenerationConfig
     from diffusiongemma.reference.model import Model
@@ -290,7 +290,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.cases) - set(CASES))
     if unknown:
         parser.error(f"unknown case(s) {unknown}; known: {list(CASES)}")
-    sys.path.insert(0, ROOT)  # tests.hf_tiny
     for name in args.cases or list(CASES):
         info = record_case(name, os.path.join(args.out, name))
         size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(args.out, name))

@@ -46,9 +46,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from diffusiongemma.tiny import BOS_ID, EOS_ID, FULL, PAD_ID, SLIDING, TinySpec, hf_config  # noqa: F401
+
 HERE = Path(__file__).resolve().parent
-SLIDING, FULL = "sliding_attention", "full_attention"
-PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -56,8 +56,9 @@ PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
 
 
 @dataclass
-class ModelSpec:
-    """Shape of the tiny model (a ``DiffusionGemmaConfig`` is built from it by ``hf_config``)."""
+class ModelSpec(TinySpec):
+    """Shape of the shipped tiny model: the package's ``TinySpec`` with these defaults (``hf_config`` builds
+    its ``DiffusionGemmaConfig``: image ids at V-1, V-2, V-3, the reserved tokenizer specials)."""
 
     vocab_size: int = 4096  # tokenizer size; the top three ids are the reserved image specials
     hidden_size: int = 160  # H
@@ -104,33 +105,6 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1  # torch.set_num_threads
     init_from: str = ""  # continue from this checkpoint's weights (fresh optimizer and schedule); "" = scratch
-
-
-def hf_config(spec: ModelSpec):
-    """A ``transformers.DiffusionGemmaConfig`` for ``spec``: image ids at V-1, V-2, V-3 (reserved
-    tokenizer specials), a tiny vision tower (else a ~550M default one is built), pad/eos/bos 0/1/2."""
-    from transformers import DiffusionGemmaConfig
-
-    V = spec.vocab_size
-    return DiffusionGemmaConfig(
-        canvas_length=spec.canvas_length, image_token_id=V - 1, boi_token_id=V - 2, eoi_token_id=V - 3,
-        text_config=dict(
-            vocab_size=V, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-            moe_intermediate_size=spec.moe_intermediate_size, num_hidden_layers=len(spec.layer_types),
-            layer_types=list(spec.layer_types), num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_key_value_heads,
-            num_global_key_value_heads=spec.num_global_key_value_heads,
-            head_dim=spec.head_dim, global_head_dim=spec.global_head_dim, num_experts=spec.num_experts,
-            top_k_experts=spec.top_k_experts, sliding_window=spec.sliding_window,
-            rope_parameters={SLIDING: dict(rope_type="default", rope_theta=1e4),
-                             FULL: dict(rope_type="proportional", partial_rotary_factor=0.25,
-                                        rope_theta=1e6)},
-            final_logit_softcapping=30.0, rms_norm_eps=1e-6, use_bidirectional_attention="vision",
-            pad_token_id=PAD_ID, eos_token_id=EOS_ID, bos_token_id=BOS_ID),
-        vision_config=dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32,
-                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                           head_dim=8, global_head_dim=8),
-    )
 
 
 # ----------------------------------------------------------------------------------------------------
