@@ -339,9 +339,10 @@ cdef extern from *:
     /* Pass 2: p = e * exp(mb[b] - m) / total in place in out (the factor is exactly 1 for blocks reached
        after the maximum), returning the float64 sum of the written float32 probabilities (lanes within
        a block, blocks in order). When draw_target >= 0, also find the inverse-CDF index for that target
-       (first v whose cumulative probability exceeds it); *found = -1 if none. *below / *at receive the
-       cumulative sums just before and at the found index, so that the caller can confirm the choice
-       against the final total. */
+       (first v whose running sum exceeds it, the running sum being the block sums before v's block plus
+       the entries of the block up to v, added one by one); *found = -1 if none. *below / *at receive
+       the running sums just before and at the found index, so that the caller can confirm the choice
+       (dg_cdf_sure) against the final total. */
     DG_CLONES static double dg_row_pass2(float *out, Py_ssize_t V, const float *mb, float m, float total,
                                          double draw_target, int64_t *found, double *below, double *at) {
         double run = 0.0;
@@ -375,9 +376,30 @@ cdef extern from *:
         return run;
     }
 
-    /* Inverse-CDF search over finished probabilities p (V entries): first v with cumsum > target, else
-       the last v with p > 0 (the reference's rule when rounding leaves the target at the total). */
-    static int64_t dg_cdf_search(const float *p, Py_ssize_t V, double target) {
+    /* ---- exactness of the draw
+       The reference (categorical_from_uniform) draws the first v with Q_v > u * Q_{V-1}, where Q_v is the
+       strictly left-to-right float64 sum p_0 + ... + p_v. The passes here form other float64 sums of the
+       same values: block sums of 8 lanes, then entries one by one inside the chosen block. Every such
+       running value E_v is still *a* float64 summation of exactly p_0..p_v, and for any summation of
+       n <= V non-negative terms |computed - exact| <= gamma_V * X (X the exact sum of all V terms,
+       gamma_V = V 2^-53 / (1 - V 2^-53); Higham, Accuracy and Stability, ch. 4). Hence |E_v - Q_v| <=
+       2 gamma_V X, the kernel's total T differs from Q_{V-1} by as much, and u*T from u*Q_{V-1} by
+       2 gamma_V X + 2^-52 X. With delta = (V + 2) 2^-50 T, at least twice the sum of those bounds: if
+       E_{v-1} + delta < u*T < E_v - delta, then Q_{v-1} < u*Q_{V-1} < Q_v, so v is the reference's id
+       too (Q is non-decreasing). Otherwise, i.e. the target lies within delta of a cumulative sum (about
+       1e-10 of the mass for V = 262144, so ~5e-10 of the draws), the draw is recomputed by the reference's
+       own rule (dg_cdf_exact). An id of probability 0 is never returned: E_v > E_{v-1} needs p_v > 0. */
+    static inline double dg_cdf_margin(Py_ssize_t V, double total) {
+        return ((double)V + 2.0) * 0x1p-50 * total;
+    }
+
+    static inline int dg_cdf_sure(double below, double at, double target, double margin) {
+        return target - below > margin && at - target > margin;
+    }
+
+    /* The block search over finished probabilities p (V entries): the block by its 8-lane sum, then the
+       entries one by one; the id when dg_cdf_sure confirms it against target = u * total, else -1. */
+    static int64_t dg_cdf_search(const float *p, Py_ssize_t V, double target, double margin) {
         double c = 0.0;
         for (Py_ssize_t b0 = 0; b0 < V; b0 += DG_BLOCK) {
             Py_ssize_t n = V - b0 < DG_BLOCK ? V - b0 : DG_BLOCK;
@@ -390,14 +412,38 @@ cdef extern from *:
             if (c + bsum > target) {
                 double cc = c;
                 for (Py_ssize_t k = 0; k < n; k++) {
-                    cc += (double)p[b0 + k];
-                    if (cc > target) return b0 + k;
+                    double next = cc + (double)p[b0 + k];
+                    if (next > target) return dg_cdf_sure(cc, next, target, margin) ? b0 + k : -1;
+                    cc = next;
                 }
+                return -1;                    /* the block's sum and its entries disagree: too close */
             }
             c += bsum;
         }
+        return -1;                            /* the target is at the total */
+    }
+
+    /* The reference's rule itself: Q by a strictly sequential float64 sum, target = u * Q_{V-1}, the first
+       v with Q_v > target, else the last v with p > 0. (No FMA contraction: -ffp-contract=off.) */
+    static int64_t dg_cdf_exact(const float *p, Py_ssize_t V, double u) {
+        double total = 0.0;
+        for (Py_ssize_t v = 0; v < V; v++) total += (double)p[v];
+        double target = u * total, c = 0.0;
+        for (Py_ssize_t v = 0; v < V; v++) {
+            c += (double)p[v];
+            if (c > target) return v;
+        }
         for (Py_ssize_t v = V - 1; v >= 0; v--) if (p[v] > 0.0f) return v;
         return V - 1;
+    }
+
+    /* The draw for uniform u on a row whose pass 2 returned psum and its guess (found, below, at). */
+    static int64_t dg_draw(const float *p, Py_ssize_t V, double u, double psum, int64_t found, double below,
+                           double at) {
+        double target = u * psum, margin = dg_cdf_margin(V, psum);
+        if (found >= 0 && dg_cdf_sure(below, at, target, margin)) return found;
+        found = dg_cdf_search(p, V, target, margin);
+        return found >= 0 ? found : dg_cdf_exact(p, V, u);
     }
     """
     int dg_max_threads() nogil
@@ -426,7 +472,8 @@ cdef extern from *:
                       int64_t *arg_out, double *S_out, double *A_out, int *flags_out) nogil
     double dg_row_pass2(float *out, Py_ssize_t V, const float *mb, float m, float total, double draw_target,
                         int64_t *found, double *below, double *at) nogil
-    int64_t dg_cdf_search(const float *p, Py_ssize_t V, double target) nogil
+    int64_t dg_draw(const float *p, Py_ssize_t V, double u, double psum, int64_t found, double below,
+                    double at) nogil
 
 #: Entries of a row of logits the sampling pass handles as one block (kept in L1 between its loops).
 SAMPLING_BLOCK = DG_BLOCK
@@ -1051,10 +1098,11 @@ def sample_rows(const float[:, ::1] logits, float[:, ::1] probs, const int64_t[:
                  self-conditioning input; exp is taken against the running maximum of the row and
                  rescaled, so p is within a few ulp of the reference's value),
       sampled[i] (only if uniforms is not None) the inverse-CDF draw for uniforms[i] in [0, 1):
-                 the first id whose cumulative probability (float64) exceeds u * total, total = sum of p,
-                 else the last id of nonzero probability (``sampling.categorical_from_uniform``; cumulative
-                 sums run block by block, differing from a strictly sequential float64 sum by < 1e-13
-                 relative),
+                 exactly the id of ``sampling.categorical_from_uniform`` on the written row p (the first
+                 id whose left-to-right float64 cumulative sum exceeds u * total, else the last id of
+                 nonzero probability), for every u. The pass finds it from block sums; a target within
+                 the proven rounding bound of a cumulative sum (see dg_cdf_margin) is redone by the
+                 reference's sequential rule, so no id of probability 0 is ever drawn,
       flags[i]   1 ẑ holds NaN, 2 ẑ holds +inf, 4 ẑ is all -inf, 8 the logits hold +inf, 16 the logits
                  are all -inf; a flagged row's other outputs (and its probs row) are meaningless (the
                  caller raises).
@@ -1107,7 +1155,4 @@ def sample_rows(const float[:, ::1] logits, float[:, ::1] probs, const int64_t[:
             target = uniforms[i] * (S / <double>total)   # estimate of u * sum(p); confirmed below
         psum = dg_row_pass2(&probs[row, 0], V, &scratch[tid, 0], m, total, target, &found, &below, &at)
         if draw:
-            target = uniforms[i] * psum
-            if found < 0 or not (below <= target and target < at):
-                found = dg_cdf_search(&probs[row, 0], V, target)
-            sampled[i] = found
+            sampled[i] = dg_draw(&probs[row, 0], V, uniforms[i], psum, found, below, at)

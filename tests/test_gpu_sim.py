@@ -116,10 +116,18 @@ def test_launch_bounds_and_shared_limits_are_checked():
     ex = sim.Executor(probe_library())
     args = (np.zeros(256, f32), np.zeros(256 * 8, i32), np.zeros(256 * 8, f32), np.zeros(2, i32), np.zeros(1, f32),
             np.zeros(256, np.float64), np.int32(1))
-    with pytest.raises(KernelCheckError, match=r"256 threads exceeds its __launch_bounds__\(128\)"):
+    with pytest.raises(gl.LaunchRefused, match=r"a block of 256 threads exceeds the 128 this kernel may run with"):
         ex.run(gl.Launch("probe", (1, 1, 1), (256, 1, 1), args, 4 * 256))
-    with pytest.raises(KernelCheckError, match="exceed the"):
+    with pytest.raises(gl.LaunchRefused, match="bytes of dynamic shared memory exceed the 101376 bytes a block may "
+                                               "use on sm_86"):
         ex.run(gl.Launch("probe", (1, 1, 1), (64, 1, 1), args, sim.MAX_SHARED))
+    # over 48 KiB a kernel must be opted in first, as on a GPU; past the target's maximum it cannot be
+    with pytest.raises(gl.LaunchRefused, match="exceed the 49152 bytes a block may use on sm_86 without opting in"):
+        ex.run(gl.Launch("probe", (1, 1, 1), (64, 1, 1), args, 60000))
+    with pytest.raises(gl.LaunchRefused, match="exceed the 101376 bytes"):
+        ex.opt_in("probe", 101376)
+    ex.opt_in("probe", 60000)
+    ex.run(gl.Launch("probe", (1, 1, 1), (64, 1, 1), args, 60000))
     with pytest.raises(KernelCheckError, match="dynamic shared array dg_smem, but the launch gave it 16 bytes"):
         ex.run(gl.Launch("probe", (1, 1, 1), (64, 1, 1), args, 16))
 

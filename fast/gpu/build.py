@@ -33,6 +33,16 @@ from dataclasses import dataclass, field
 
 CUDA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
 DEFAULT_ARCHS = ("sm_80", "sm_90")
+#: The one compile mode of the kernels, for the run (``CupyDevice``: NVRTC through CuPy) and for the compile
+#: checks here (nvcc and NVRTC alike). ``--fmad=false``: no contraction of a * b + c into a fused multiply-add,
+#: so every float32 operation is the separately rounded one the kernels' comments and the reference's order
+#: describe, as in cuda-sim (g++ -ffp-contract=off: fast/gpu/sim/codegen.py KERNEL_FLAGS). What may still differ
+#: between a GPU and cuda-sim is stated in tests/test_gpu_limits.py: the last bits of expf / tanhf / powf / exp /
+#: log (CUDA's libdevice against glibc, within 2 ulp) and what is computed from them; sums, products,
+#: divisions, comparisons and the sampler's ids follow the same IEEE operations.
+FMAD_OPTION = "--fmad=false"
+NVRTC_OPTIONS = ("--std=c++14", FMAD_OPTION)
+NVCC_OPTIONS = ("-std=c++14", FMAD_OPTION)
 SKIP_ENV = "DIFFUSIONGEMMA_SKIP_CUDA_COMPILE"
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
 _ARCH = re.compile(r"^sm_[0-9]{2,3}a?$")
@@ -197,7 +207,7 @@ def compile_with_nvcc(text: str, arch: str, nvcc: str | None = None, name: str =
         with open(src, "w", encoding="utf-8") as f:
             f.write(text)
         cmd = [nvcc, f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o", os.path.join(tmp, "kernels.cubin"),
-               *extra_options, src]
+               *NVCC_OPTIONS, *extra_options, src]
         proc = subprocess.run(cmd, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -215,7 +225,7 @@ def compile_with_nvrtc(text: str, arch: str, lib: ctypes.CDLL | None = None, nam
         raise CompilerNotFound("no NVRTC library was found (pip install nvidia-cuda-nvrtc, or set "
                                "DIFFUSIONGEMMA_NVRTC to the path of libnvrtc.so)")
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-    base = [f"--gpu-architecture={arch}", *extra_options]
+    base = [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *extra_options]
     log, status = _nvrtc_run(lib, text, name, base + ["--ptxas-options=-v"])
     if status != 0 and "ptxas-options" in log:  # an NVRTC that does not know the option: compile without it
         log, status = _nvrtc_run(lib, text, name, base)

@@ -37,8 +37,49 @@ DEFAULT_SHARED_LIMIT = 48 * 1024
 ATTENTION_SHARED_BUDGET = 96 * 1024
 
 
+#: Shared memory (static + dynamic) one block may opt in to, by architecture: the CUDA attribute
+#: cudaDevAttrMaxSharedMemoryPerBlockOptin (CUDA C++ Programming Guide, technical specifications per compute
+#: capability). Above DEFAULT_SHARED_LIMIT a kernel must first raise its cudaFuncAttributeMaxDynamicSharedMemorySize.
+SHARED_OPT_IN_LIMITS = {"sm_70": 98304, "sm_72": 98304, "sm_75": 65536, "sm_80": 166912, "sm_86": 101376,
+                        "sm_87": 166912, "sm_89": 101376, "sm_90": 232448, "sm_100": 232448, "sm_120": 101376}
+#: Threads of one block on every architecture since sm_30 (and at most 64 along z).
+MAX_BLOCK_THREADS = 1024
+
+
 class LaunchError(ValueError):
     """A kernel was asked to run on operands of the wrong shape, dtype or layout, or out of its limits."""
+
+
+class LaunchRefused(LaunchError):
+    """A launch the device would refuse (CUDA_ERROR_INVALID_VALUE / "too many resources requested"): more
+    threads than the kernel may run with, or more shared memory than a block may use. Raised before the
+    launch, with one text, by both devices: ``fast.gpu.CupyDevice`` on a GPU and cuda-sim."""
+
+
+def check_resources(launch: "Launch", static_shared: int, max_threads: int, opt_in_limit: int, arch: str,
+                    opted_in: int = -1) -> int:
+    """What a GPU requires of ``launch``: returns the dynamic shared memory the kernel must be opted in to
+    (0: none; a launch whose static + dynamic shared memory is at most DEFAULT_SHARED_LIMIT needs none).
+
+    static_shared: the kernel's static shared memory in bytes (ptxas; CuPy ``RawKernel.shared_size_bytes``);
+    max_threads: the most threads a block of this kernel may have (``__launch_bounds__``, registers; CuPy
+    ``RawKernel.max_threads_per_block``); opt_in_limit: the device's cudaDevAttrMaxSharedMemoryPerBlockOptin;
+    arch: "sm_XY", named in the message; opted_in: the kernel's current opt-in, or -1 when the caller opts
+    in as needed (both devices do). Raises ``LaunchRefused``."""
+    threads = math.prod(launch.block)
+    if threads > min(max_threads, MAX_BLOCK_THREADS):
+        raise LaunchRefused(f"{launch.kernel}: a block of {threads} threads exceeds the {min(max_threads, MAX_BLOCK_THREADS)} "
+                            f"this kernel may run with on {arch}")
+    total = static_shared + launch.shared_mem
+    if total > opt_in_limit:
+        raise LaunchRefused(f"{launch.kernel}: {static_shared} bytes of static and {launch.shared_mem} bytes of dynamic "
+                            f"shared memory exceed the {opt_in_limit} bytes a block may use on {arch}")
+    need = launch.shared_mem if total > DEFAULT_SHARED_LIMIT else 0
+    if 0 <= opted_in < need:
+        raise LaunchRefused(f"{launch.kernel}: {static_shared} bytes of static and {launch.shared_mem} bytes of dynamic "
+                            f"shared memory exceed the {DEFAULT_SHARED_LIMIT} bytes a block may use on {arch} without "
+                            f"opting in (the kernel is opted in to {opted_in} bytes of dynamic shared memory)")
+    return need
 
 
 # ------------------------------------------------------------------------------------------------ source facts
@@ -131,7 +172,8 @@ class Launch:
 
     @property
     def needs_shared_opt_in(self) -> bool:
-        """True when the dynamic shared memory exceeds the 48 KiB a block gets without opting in."""
+        """True when the dynamic shared memory alone exceeds the 48 KiB a block gets without opting in (with
+        the kernel's static shared memory the threshold is lower: ``check_resources`` decides)."""
         return self.shared_mem > DEFAULT_SHARED_LIMIT
 
 
@@ -393,12 +435,12 @@ def attention(q, q_pos, cache_k, cache_v, cache_rows, n_cache: int, slot_pos, ca
         new_v = new_pos = new_real = None
     if g is None:
         raise LaunchError(f"{k}: no keys at all (no cache entries and no new keys)")
-    if n_h % g:
+    if g <= 0 or n_h % g:
         raise LaunchError(f"{k}: {g} KV heads do not divide {n_h} query heads")
     q_block, key_tile, smem = attention_plan(S, n_h // g, d, budget)
     grid = (max(1, -(-S // q_block)), g, max(N, 1))
     return _launch(k, grid, const("DG_ATT_THREADS"),
-                   (q, q_pos, S, n_h, d, cache_k, cache_v, cache_rows, n_cache, slots, slot_pos, cache_real,
+                   (q, q_pos, N, S, n_h, d, cache_k, cache_v, cache_rows, n_cache, slots, slot_pos, cache_real,
                     real_stride, new_k, new_v, n_new, new_pos, new_real, g, int(window or 0), int(bool(causal)),
                     q_block, key_tile, out), smem)
 
@@ -462,12 +504,15 @@ def grouped_gemm_nt(x, w, tile_group, y) -> Launch:
     _ndim(k, "w", w, 3)
     _ndim(k, "tile_group", tile_group, 1)
     G, n_out, K = w.shape
+    if G == 0:
+        raise LaunchError(f"{k}: w holds no group (shape {tuple(w.shape)}); every tile names one")
     tiles = tile_group.shape[0]
     _shape(k, "x", x, (tiles * tm, K))
     _shape(k, "y", y, (tiles * tm, n_out))
     if tiles > 65535:
         raise LaunchError(f"{k}: {tiles} row tiles exceed the grid's y limit 65535")
-    return _launch(k, (max(1, -(-n_out // tn)), tiles), const("DG_GEMM_THREADS"), (x, w, tile_group, y, tiles, n_out, K))
+    return _launch(k, (max(1, -(-n_out // tn)), max(tiles, 1)), const("DG_GEMM_THREADS"),
+                   (x, w, tile_group, y, tiles, n_out, K))
 
 
 def combine_experts(expert_out, indices, choice_row, weights, out) -> Launch:
@@ -487,6 +532,12 @@ def combine_experts(expert_out, indices, choice_row, weights, out) -> Launch:
 
 
 # ------------------------------------------------------------------------------------------------ sampling.cu
+def sample_static_shared() -> int:
+    """Static shared memory of dg_sample_rows, bytes: DG_SAMPLE_THREADS / 32 + 1 DgStats of 32 bytes (cuda-sim's
+    layout and the ptxas report are checked against it in tests/test_gpu_limits.py)."""
+    return 32 * (const("DG_SAMPLE_THREADS") // 32 + 1)
+
+
 def sample_rows(logits, rows, cap: float, temp: float, uniforms, argmax, entropy, sampled, flags) -> Launch:
     """The per-row sampling pass (see ``dg_sample_rows``). logits (R_all, V) float32; rows (R,) int32 row
     indices; cap > 0 soft-caps first (0: none); temp > 0 divides (0: none); uniforms (R,) float64 or None
@@ -503,8 +554,9 @@ def sample_rows(logits, rows, cap: float, temp: float, uniforms, argmax, entropy
         raise LaunchError(f"{k}: cap ({cap}) and temp ({temp}) must be >= 0 (0 = not applied)")
     chunks = -(-V // const("DG_SAMPLE_CHUNK"))
     smem = 8 * chunks
-    if smem > DEFAULT_SHARED_LIMIT:
-        raise LaunchError(f"{k}: vocabulary {V} needs {smem} bytes of chunk sums (> {DEFAULT_SHARED_LIMIT})")
+    if smem + sample_static_shared() > DEFAULT_SHARED_LIMIT:
+        raise LaunchError(f"{k}: vocabulary {V} needs {smem} bytes of chunk sums, and the kernel's static shared "
+                          f"memory {sample_static_shared()} more (> {DEFAULT_SHARED_LIMIT})")
     return _launch(k, max(R, 1), const("DG_SAMPLE_THREADS"),
                    (logits, rows, R, V, cap, temp, uniforms, argmax, entropy, sampled, flags), smem)
 
@@ -520,5 +572,6 @@ def accept_renoise(entropy, sampled, noise, bound: float, accepted, next_canvas)
     smem = 9 * C
     if smem > DEFAULT_SHARED_LIMIT:
         raise LaunchError(f"{k}: canvas length {C} needs {smem} bytes of shared memory (> {DEFAULT_SHARED_LIMIT})")
-    return _launch(k, max(B, 1), const("DG_ACCEPT_THREADS"), (entropy, sampled, noise, C, bound, accepted, next_canvas),
+    return _launch(k, max(B, 1), const("DG_ACCEPT_THREADS"), (entropy, sampled, noise, B, C, bound, accepted,
+                                                             next_canvas),
                    smem)

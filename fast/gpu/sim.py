@@ -17,14 +17,16 @@ at run time with ``g++`` into a cache folder (``$DIFFUSIONGEMMA_SIM_CACHE``, def
   byte written by one block and touched by another or by another thread of its block unsynchronised ("race"), a
   barrier or warp operation not reached by every thread it names ("divergence"), or outputs that depend on
   the order the threads ran in ("schedule"); each message names the kernel, the argument or shared array,
-  the block and thread, the index, and the source line.
+  the block and thread, the index, and the source line. A launch a GPU of the target architecture would
+  refuse (block size, shared memory over 48 KiB without an opt-in or over the opt-in maximum) raises
+  ``launch.LaunchRefused`` with the text ``CupyDevice`` gives on a GPU.
 * ``SimDevice`` — the device interface of the GPU path (``xp`` = NumPy, ``launch``, ``empty``, ``zeros``,
   ``to_device``, ``to_host``, ``synchronize``, ``context``), every launch through the executor, matrix
   products through NumPy in the host code (standing in for cuBLAS).
 
 Numerics: float32 operations are IEEE float32 on the CPU, with no contraction of a*b+c into a fused
-multiply-add (nvcc contracts by default, so a real GPU may differ in the last bits); expf, tanhf, powf are
-glibc's (CUDA's are within 1-2 ulp of them).
+multiply-add, as on a GPU, where the kernels are compiled with ``--fmad=false`` (``build.NVRTC_OPTIONS``);
+expf, tanhf, powf, exp, log are glibc's (CUDA's are within 1-2 ulp of them: the one source of differing bits).
 """
 
 from __future__ import annotations
@@ -57,9 +59,13 @@ _spec.loader.exec_module(codegen)
 #: Bytes of every device allocation kept free on each side, so that an access just outside an array lands
 #: in no other array (the executor then names the array it missed).
 RED_ZONE = 256
-#: Largest dynamic + static shared memory of one block (sm_90: 227 KiB), and the static part's limit.
+#: Largest dynamic + static shared memory of one block on any architecture (sm_90: 227 KiB; the executor's
+#: storage), and the static part's limit (ptxas refuses more).
 MAX_SHARED = 232448
 STATIC_SHARED_LIMIT = 48 * 1024
+#: The architecture whose launch limits cuda-sim enforces by default: the supported one with the least shared
+#: memory per block (99 KiB opt-in; sm_80 allows 163 KiB, sm_90 227 KiB), so that what passes here passes on each.
+DEFAULT_TARGET = "sm_86"
 SCHEDULES = ("forward", "reverse", "shuffle")
 CHECK_BOUNDS, CHECK_RACES, CHECK_DIVERGENCE = 1, 2, 4
 
@@ -372,23 +378,42 @@ class Executor:
     bounds: bool = True  # every global and shared access inside an argument / shared array
     races: bool = True  # no two threads touch one shared byte between barriers, one writing
     divergence: bool = True  # every barrier / warp operation reached by all the threads it names
+    target: str = DEFAULT_TARGET  # the architecture whose launch limits are enforced (launch.SHARED_OPT_IN_LIMITS)
+    #: kernel -> dynamic shared memory it is opted in to (cudaFuncAttributeMaxDynamicSharedMemorySize; 0 unless
+    #: ``opt_in`` raised it, as on a GPU)
+    opted_in: dict = field(default_factory=dict)
+
+    def opt_in_limit(self) -> int:
+        return gl.SHARED_OPT_IN_LIMITS[self.target]
+
+    def opt_in(self, kernel: str, dynamic_bytes: int) -> None:
+        """Raise the kernel's dynamic shared-memory limit, as cudaFuncSetAttribute does (and refuse what a GPU
+        refuses: more than the device's opt-in maximum less the kernel's static shared memory)."""
+        static = self.library.static_shared.get(kernel, 0)
+        if static + dynamic_bytes > self.opt_in_limit():
+            raise gl.LaunchRefused(f"{kernel}: {static} bytes of static and {dynamic_bytes} bytes of dynamic shared "
+                                   f"memory exceed the {self.opt_in_limit()} bytes a block may use on {self.target}")
+        self.opted_in[kernel] = max(self.opted_in.get(kernel, 0), int(dynamic_bytes))
+
+    def resources(self, launch: gl.Launch, opted_in: int = -1) -> int:
+        """``launch.check_resources`` with this library's static shared memory and launch bounds and the target's
+        limits: the opt-in the launch needs (raises ``launch.LaunchRefused`` as a GPU run does)."""
+        bound = self.library.launch_bounds.get(launch.kernel, gl.MAX_BLOCK_THREADS)
+        return gl.check_resources(launch, self.library.static_shared.get(launch.kernel, 0), bound,
+                                  self.opt_in_limit(), self.target, opted_in)
 
     def _describe(self, message: str) -> str:
         return re.sub(r"\{site:0x([0-9a-f]+)\}", lambda m: self.library.describe_site(int(m.group(1), 16)), message)
 
     def check_geometry(self, launch: gl.Launch) -> None:
-        threads = math.prod(launch.block)
-        bound = self.library.launch_bounds.get(launch.kernel)
-        if bound is not None and threads > bound:
-            raise KernelCheckError("bounds", launch.kernel, f"{launch.kernel}: block of {threads} threads exceeds its "
-                                                            f"__launch_bounds__({bound})")
+        """Refuse what a GPU of the target architecture refuses (``launch.LaunchRefused``: block size over the
+        kernel's ``__launch_bounds__`` or 1024, static + dynamic shared memory over 48 KiB without an opt-in or
+        over the target's opt-in maximum), and static shared memory ptxas would not compile."""
         static = self.library.static_shared.get(launch.kernel, 0)
         if static > STATIC_SHARED_LIMIT:
             raise KernelCheckError("bounds", launch.kernel, f"{launch.kernel}: {static} bytes of static shared memory "
                                                             f"(> {STATIC_SHARED_LIMIT})")
-        if static + launch.shared_mem > MAX_SHARED:
-            raise KernelCheckError("bounds", launch.kernel, f"{launch.kernel}: {static} + {launch.shared_mem} bytes of "
-                                                            f"shared memory exceed the {MAX_SHARED} of a block")
+        self.resources(launch, self.opted_in.get(launch.kernel, 0))
 
     def run(self, launch: gl.Launch, schedule: str = "forward", seed: int = 0, poison: int = 0xFF) -> None:
         lib = self.library
@@ -441,8 +466,8 @@ class Executor:
             if k == 0:
                 self.run(launch, schedule, seed + k, poison=0xFF)
             else:  # the other checks do not depend on the order: only the outputs are compared
-                Executor(self.library, False, False, False).run(launch, schedule, seed + k,
-                                                                poison=0xFF if k % 2 == 0 else 0x7F)
+                Executor(self.library, False, False, False, self.target, self.opted_in).run(
+                    launch, schedule, seed + k, poison=0xFF if k % 2 == 0 else 0x7F)
             outputs = [a.copy() for _, a in written]
             if first is None:
                 first = outputs
@@ -478,8 +503,11 @@ class SimDevice:
     name = "cuda-sim"
 
     def __init__(self, checks: bool = True, record: bool = False, library: KernelLibrary | None = None,
-                 alternatives: tuple = ("reverse", "shuffle")):
-        self.executor = Executor(library or KernelLibrary.default(), checks, checks, checks)
+                 alternatives: tuple = ("reverse", "shuffle"), target: str = DEFAULT_TARGET):
+        if target not in gl.SHARED_OPT_IN_LIMITS:
+            raise ValueError(f"cuda-sim target must be one of {sorted(gl.SHARED_OPT_IN_LIMITS)}, got {target!r}")
+        self.executor = Executor(library or KernelLibrary.default(), checks, checks, checks, target)
+        self.target = target
         self.checks = checks
         self.alternatives = alternatives
         self.record = record
@@ -496,6 +524,9 @@ class SimDevice:
             raise TypeError(f"launch must be a launch.Launch, got {type(launch).__name__}")
         if self.record:
             self.launches.append(launch)
+        need = self.executor.resources(launch)  # as CupyDevice.launch: refuse, or opt in, before the launch
+        if need > self.executor.opted_in.get(launch.kernel, 0):
+            self.executor.opt_in(launch.kernel, need)
         self.launched[launch.kernel] += 1
         LAUNCHED[launch.kernel] += 1
         self._count += 1

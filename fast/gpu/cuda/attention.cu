@@ -27,7 +27,7 @@
 // each query row; NULL: the identity); slot_pos (slots,) int64; cache_real (B_c, real_stride) uint8;
 // new_k/v (N, n_kv, n_new, d); new_pos (n_new,) int64; new_real (N, n_new) uint8; q_pos (S,) int64;
 // out (N, S, n_heads * d).
-// Launch: grid (ceil(S / q_block), n_kv, N), block DG_ATT_THREADS, dynamic shared memory
+// Launch: grid (max(ceil(S / q_block), 1), n_kv, max(N, 1)) (a block past N or S returns at once), block DG_ATT_THREADS, dynamic shared memory
 // key_tile * 12 + 4 * (q_block * r * d + key_tile * (2 d + split)) bytes (fast/gpu_launch.py).
 
 #include "common.cuh"
@@ -35,7 +35,7 @@
 #define DG_ATT_DIMS_PER_LANE (DG_MAX_HEAD_DIM / 32)
 
 extern "C" __global__ void __launch_bounds__(DG_ATT_THREADS)
-dg_attention(const float* q, const long long* q_pos, int S, int n_heads, int d,
+dg_attention(const float* q, const long long* q_pos, int N, int S, int n_heads, int d,
              const float* cache_k_opt, const float* cache_v_opt, const int* cache_rows_opt, int n_cache,
              int slots, const long long* slot_pos_opt, const unsigned char* cache_real_opt, int real_stride,
              const float* new_k_opt, const float* new_v_opt, int n_new, const long long* new_pos_opt,
@@ -45,6 +45,7 @@ dg_attention(const float* q, const long long* q_pos, int S, int n_heads, int d,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = n_heads / n_kv;
     const int n = blockIdx.z, j = blockIdx.y, q0 = blockIdx.x * q_block;
+    if (n >= N || q0 >= S) return;                  // uniform for the block: N == 0 or S == 0 launch one
     const int nq = min(q_block, S - q0);
     const int rows = nq * r;
     const int split = 32 / key_tile;
@@ -98,7 +99,7 @@ dg_attention(const float* q, const long long* q_pos, int S, int n_heads, int d,
             int real = 0;
             if (key < n_cache) {
                 pos = slot_pos_opt[key];
-                real = pos >= 0 && cache_real_opt[(long long)crow * real_stride + pos];
+                real = pos >= 0 && pos < real_stride && cache_real_opt[(long long)crow * real_stride + pos];
             } else if (key < T) {
                 pos = new_pos_opt[key - n_cache];
                 real = new_real_opt[(long long)n * n_new + (key - n_cache)] != 0;

@@ -50,19 +50,46 @@ __device__ __forceinline__ void dg_stats_merge(DgStats& a, const DgStats& b) {
     }
 }
 
-// One row of logits per block (grid = n_rows, block = DG_SAMPLE_THREADS, dynamic shared memory
+// The reference's categorical rule itself (reference/sampling.py categorical_from_uniform) on a finished row
+// of probabilities p: Q_v = p_0 + ... + p_v strictly left to right in float64, target = u * Q_{V-1}, the first
+// v with Q_v > target, else the last v with p_v > 0. One thread, sequential: only for the rare draws the
+// parallel search below cannot decide.
+__device__ long long dg_cdf_exact(const float* p, int vocab, double u) {
+    double total = 0.0;
+    for (int v = 0; v < vocab; ++v) total += (double)p[v];
+    const double target = u * total;
+    double c = 0.0;
+    for (int v = 0; v < vocab; ++v) {
+        c += (double)p[v];
+        if (c > target) return v;
+    }
+    for (int v = vocab - 1; v >= 0; --v)
+        if (p[v] > 0.0f) return v;
+    return 0;
+}
+
+// One row of logits per block (grid = max(n_rows, 1), block = DG_SAMPLE_THREADS, dynamic shared memory
 // 8 * ceil(vocab / DG_SAMPLE_CHUNK) bytes). Row i of the launch is logits row rows[i] of (R_all, vocab).
 // With x = processed logits of the row (soft-cap if cap > 0, then / temp if temp > 0):
 //   argmax[i]  first index of max x (reference argmax_tokens);
 //   entropy[i] entropy of softmax(x) in nats, float32 of log S - A / S (reference softmax_and_entropy);
 //   the row of `logits` is overwritten with p = float32(exp(x - m)) / float32(S): the probabilities, which
 //              are also the next step's self-conditioning input (softmax of the processed logits);
-//   sampled[i] (uniforms_opt given) the inverse-CDF draw for u = uniforms_opt[i] in [0, 1): the first id
-//              whose cumulative float64 probability exceeds u * total (total = float64 sum of the stored
-//              p), else the last id of nonzero probability (reference categorical_from_uniform; the
-//              cumulative sums are formed per DG_SAMPLE_CHUNK chunk, a different association of the same
-//              float64 additions);
-//   flags[i]   1 NaN, 2 +inf, 4 every entry -inf (the row is then left as it was; the host raises).
+//   sampled[i] (uniforms_opt given) exactly the id of reference categorical_from_uniform on the stored row
+//              p for u = uniforms_opt[i] in [0, 1): the first id whose left-to-right float64 cumulative sum
+//              exceeds u * total, else the last id of nonzero probability. Found in parallel: chunk sums
+//              (per-lane float64 sums, a warp tree) choose the chunk, warp scans the id. Each running value
+//              E_v formed that way is a float64 summation of exactly p_0..p_v, as is the reference's Q_v,
+//              so |E_v - Q_v| and the difference of the totals are at most 2 gamma_V X each (X the exact
+//              sum, gamma_V = V 2^-53 / (1 - V 2^-53)). The id v is kept when E_{v-1} + delta < u * total <
+//              E_v - delta, delta = (vocab + 2) 2^-50 * total (twice the bound on both errors): then
+//              Q_{v-1} < u * Q_{V-1} < Q_v. Otherwise (a chunk whose scans miss the target, the target
+//              within delta of a cumulative sum or of the total: ~5e-10 of the draws at V = 262144) lane 0
+//              recomputes the draw by the reference's rule (dg_cdf_exact). An id of probability 0 is never
+//              drawn (its E_v and E_{v-1} sum the same values, so they are closer than 2 delta);
+//   flags[i]   1 NaN, 2 +inf, 4 every entry -inf or vocab == 0 (the row is then left as it was; the host
+//              raises).
+// n_rows == 0 or vocab == 0 write nothing but flags (a grid of one block for n_rows == 0 writes nothing).
 extern "C" __global__ void __launch_bounds__(DG_SAMPLE_THREADS)
 dg_sample_rows(float* logits, const int* rows, int n_rows, int vocab, float cap, float temp,
                const double* uniforms_opt, long long* argmax, float* entropy, long long* sampled, int* flags) {
@@ -135,16 +162,18 @@ dg_sample_rows(float* logits, const int* rows, int n_rows, int vocab, float cap,
     __syncthreads();                                 // every probability and chunk sum is stored
     if (warp != 0) return;
 
-    // pass 3 (warp 0): locate the chunk, then scan inside it 32 entries at a time
+    // pass 3 (warp 0): locate the chunk, then scan inside it 32 entries at a time (see the head comment)
     double row_total = 0.0;
     for (int c = 0; c < n_chunks; ++c) row_total += chunk_sum[c];
-    const double target = uniforms_opt[i] * row_total;
-    long long found = -1;
+    const double u = uniforms_opt[i];
+    const double target = u * row_total;
+    const double margin = ((double)vocab + 2.0) * 8.8817841970012523e-16 * row_total;   // (V + 2) 2^-50 T
+    long long found = -1;                            // -1: not located yet; -2: too close to call
     double base = 0.0;
-    for (int c = 0; c < n_chunks && found < 0; ++c) {
+    for (int c = 0; c < n_chunks && found == -1; ++c) {
         if (base + chunk_sum[c] > target) {
             double run = base;
-            for (int g = 0; g < DG_SAMPLE_CHUNK && found < 0; g += 32) {
+            for (int g = 0; g < DG_SAMPLE_CHUNK && found == -1; g += 32) {
                 const int v = c * DG_SAMPLE_CHUNK + g + lane;
                 const double p = v < vocab ? (double)z[v] : 0.0;
                 double scan = p;                     // inclusive prefix sum over the 32 lanes
@@ -152,43 +181,59 @@ dg_sample_rows(float* logits, const int* rows, int n_rows, int vocab, float cap,
                     const double up = __shfl_up_sync(DG_FULL_MASK, scan, o);
                     if (lane >= o) scan += up;
                 }
-                const unsigned hit = __ballot_sync(DG_FULL_MASK, v < vocab && p > 0.0 && run + scan > target);
-                if (hit) found = c * DG_SAMPLE_CHUNK + g + __ffs(hit) - 1;
+                const double left = __shfl_up_sync(DG_FULL_MASK, scan, 1);
+                const double at = run + scan;                    // E_v
+                const double below = lane > 0 ? run + left : run; // E_{v-1}
+                const unsigned hit = __ballot_sync(DG_FULL_MASK, v < vocab && p > 0.0 && at > target);
+                if (hit) {
+                    const int first = __ffs(hit) - 1;
+                    const int sure = target - below > margin && at - target > margin;
+                    found = __shfl_sync(DG_FULL_MASK, sure, first) ? c * DG_SAMPLE_CHUNK + g + first : -2;
+                }
                 run += __shfl_sync(DG_FULL_MASK, scan, 31);
             }
+            if (found == -1) found = -2;             // the chunk's sum exceeds the target, its scans do not
         }
         base += chunk_sum[c];
     }
-    if (found < 0) {                                 // rounding left u * total at the total: last nonzero id
-        int last = -1;
-        for (int v = lane; v < vocab; v += 32)
-            if (z[v] > 0.0f) last = v;
-        for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(DG_FULL_MASK, last, o));
-        found = last < 0 ? 0 : last;
-    }
+    if (found < 0 && lane == 0) found = dg_cdf_exact(z, vocab, u);   // undecided, or the target at the total
     if (lane == 0) sampled[i] = found;
 }
 
-// Entropy-bound acceptance and renoising for n_b batch rows of C positions (one block per row, arrays
-// compacted to the rows being denoised). Per row: sort the entropies ascending (stable: ties by position),
-// S_k = float32 of the float64 running sum of the sorted entropies, accept sorted item k iff
-// float32(S_k - H_(k)) <= bound; then next = accepted ? sampled : noise (reference entropy_bound_accept and
-// renoise, bit for bit given the same entropies). entropy: (n_b, C) float32; sampled, noise, next_canvas:
-// (n_b, C) int64; accepted: (n_b, C) uint8. Dynamic shared memory: 9 * C bytes (fast/gpu_launch.py).
+// Entropy-bound acceptance and renoising for B batch rows of C positions (one block per row, arrays
+// compacted to the rows being denoised; grid max(B, 1): a block past B returns). Per row: sort the entropies
+// ascending (stable: ties by position; NaN after every number, as NumPy's argsort), S_k = float32 of the
+// float64 running sum of the sorted entropies, accept sorted item k iff float32(S_k - H_(k)) <= bound; then
+// next = accepted ? sampled : noise (reference entropy_bound_accept and renoise, bit for bit given the same
+// entropies; a NaN entropy makes every later S_k NaN, so nothing from it on is accepted, as there).
+// entropy: (B, C) float32; sampled, noise, next_canvas: (B, C) int64; accepted: (B, C) uint8. Dynamic shared
+// memory: 9 * C bytes (fast/gpu/launch.py).
+
+// Whether entropy `o` at position i sorts before entropy `h` at position j: a strict total order (NaN
+// last, NaNs by position), so the ranks below are a permutation even with NaN (each sorted slot has one
+// writer).
+__device__ __forceinline__ bool dg_sorts_before(float o, int i, float h, int j) {
+    const bool o_nan = o != o, h_nan = h != h;
+    if (o_nan || h_nan) return h_nan && (!o_nan || i < j);
+    return o < h || (o == h && i < j);
+}
+
 extern "C" __global__ void dg_accept_renoise(const float* entropy, const long long* sampled, const long long* noise,
-                                             int C, float bound, unsigned char* accepted, long long* next_canvas) {
+                                             int B, int C, float bound, unsigned char* accepted,
+                                             long long* next_canvas) {
     extern __shared__ __align__(16) unsigned char dg_smem[];
     float* sorted = (float*)dg_smem;                // (C,) entropies in ascending order
     int* rank = (int*)(sorted + C);                 // (C,) rank of each position
     unsigned char* ok = (unsigned char*)(rank + C); // (C,) acceptance of each rank
     const int b = blockIdx.x;
+    if (b >= B) return;                             // uniform for the block
     const float* H = entropy + (long long)b * C;
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
         const float h = H[j];
         int r = 0;
         for (int i = 0; i < C; ++i) {
             const float o = H[i];
-            r += (o < h) || (o == h && i < j);
+            r += dg_sorts_before(o, i, h, j);
         }
         rank[j] = r;
         sorted[r] = h;

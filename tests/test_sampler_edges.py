@@ -1,0 +1,335 @@
+"""The compiled categorical draws at their edges: exact id equality with the reference's inverse-CDF rule.
+
+``reference.sampling.categorical_from_uniform`` defines the draw on a row of float32 probabilities p: the
+cumulative sums Q_v = p_0 + ... + p_v accumulated left to right in float64, total Q_{V-1}, and the first v
+with Q_v > u * total (else the last id of nonzero probability). The CPU pass (``_kernels.sample_rows``) and
+the GPU pass (``dg_sample_rows``, run here on cuda-sim) sum the row in other associations (8 lanes per block
+of 2048 on the CPU; per-lane sums, warp trees and warp scans per chunk of 1024 on the GPU), which differ from
+Q in the last bits. Random uniforms almost never land where that matters, so these tests aim at it: every
+uniform below is computed from the row itself, so that u * total falls
+
+* between a block's (chunk's) sum as the kernel forms it and the sequential cumulative sum at the same
+  boundary (``between_sum_and_scan``),
+* exactly on a step of the reference's CDF, and one ulp to either side (``on_cdf_step``),
+* just below the total, and in the gap between the kernel's total and the reference's (``below_total``),
+
+on rows built to make those gaps exist (a few large probabilities and many tiny ones, so float64 sums round):
+zero-probability ids between mass, whole blocks masked with -inf, ties, near one-hot rows, temperature
+extremes, vocabularies of 1, 2^k +- 1 around the block sizes, and one of 262,144 entries.
+
+The draw compared is the kernel's, on the kernel's own probabilities (the row it writes): the reference's rule
+applied to that row must give the same id, for every uniform, and the id never has probability 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from diffusiongemma.fast import _kernels
+from diffusiongemma.fast.sampling import FusedSampler
+from diffusiongemma.reference.sampling import categorical_from_uniform
+
+CPU_BLOCK = _kernels.SAMPLING_BLOCK  # 2048
+GPU_CHUNK = 1024  # DG_SAMPLE_CHUNK of fast/gpu/cuda/common.cuh (checked in test_gpu_partial_sums_model)
+LAST_U = np.nextafter(1.0, 0.0)
+
+VOCABS = (1, 2, 3, 7, 9, 31, 33, 1023, 1025, 2047, 2049, 4095, 4097, 6145)
+TEMPERATURES = (None, 1e-3, 0.05, 1.0, 1e3, 1e6)
+KINDS = ("tiny_masses", "zeros_between_mass", "masked_blocks", "ties", "near_one_hot", "gap_at_end")
+
+
+# ------------------------------------------------------------------------------------------------ rows
+def build_logits(kind: str, V: int, seed: int) -> np.ndarray:
+    """One row of float32 logits of ``kind``; every kind mixes probabilities ~1 with ones ~1e-13 (logit
+    gaps of ~30), so that float64 sums of the probabilities round and different associations disagree."""
+    rng = np.random.default_rng(seed)
+    big = rng.uniform(0.0, 3.0, V)
+    tiny = rng.uniform(-34.0, -26.0, V)
+    z = np.where(rng.random(V) < 0.02, big, tiny)
+    if kind == "zeros_between_mass":  # excluded ids interleaved with mass, every block boundary included
+        z[rng.random(V) < 0.5] = -np.inf
+        for b in range(0, V, GPU_CHUNK):
+            z[max(0, b - 2):b + 2] = -np.inf
+    elif kind == "masked_blocks":  # whole blocks and chunks of -inf, mass on either side
+        for b0 in range(0, V, GPU_CHUNK):
+            if (b0 // GPU_CHUNK) % 3 == 1:
+                z[b0:b0 + GPU_CHUNK] = -np.inf
+        z[V // 2:] = np.where(rng.random(V - V // 2) < 0.5, -np.inf, z[V // 2:])
+    elif kind == "ties":  # few distinct values, repeated
+        values = np.concatenate([rng.uniform(0, 2, 3), rng.uniform(-33, -27, 3)])
+        z = values[rng.integers(0, len(values), V)]
+    elif kind == "near_one_hot":  # one id holds nearly all the mass, the rest is tiny or excluded
+        z = np.where(rng.random(V) < 0.3, -np.inf, tiny)
+        z[rng.integers(0, V)] = 5.0
+    elif kind == "gap_at_end":  # tiny masses first, then nothing from the middle of the row on
+        z = tiny.copy()
+        z[rng.integers(0, V, max(1, V // 100))] = 0.0
+        z[max(1, V // 2):] = -np.inf
+    if not np.isfinite(z).any():  # a row needs one finite logit to define a distribution
+        z[rng.integers(0, V)] = 0.0
+    return z.astype(np.float32)[None]
+
+
+# ------------------------------------------------------------------------------------------------ partial sums
+def reference_cdf(p: np.ndarray) -> np.ndarray:
+    return np.cumsum(p, dtype=np.float64)
+
+
+def cpu_block_sums(p: np.ndarray) -> np.ndarray:
+    """The CPU pass's running sum at the end of each block: 8 interleaved float64 lanes per block (a tail
+    into lane 0), a fixed tree over the lanes, the blocks in order (``dg_row_pass2``)."""
+    run, out = 0.0, []
+    for b0 in range(0, len(p), CPU_BLOCK):
+        blk = p[b0:b0 + CPU_BLOCK].astype(np.float64)
+        m = len(blk) // 8 * 8
+        acc = list(np.cumsum(blk[:m].reshape(-1, 8), axis=0)[-1]) if m else [0.0] * 8
+        for x in blk[m:]:
+            acc[0] += x
+        run += ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+        out.append(run)
+    return np.array(out)
+
+
+def gpu_chunk_sums(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The GPU pass's sums: per chunk of 1024, 32 lanes each summing a stride of 32 in float64, a butterfly
+    over the lanes (``dg_warp_sum_d``, lane 0's value), the chunks in order; and, inside each chunk, the
+    running value after each group of 32 (Hillis-Steele warp scans added to a running base). Returns
+    (running chunk-sum total at each chunk end, running scan value at each group end)."""
+    chunk_run, group_run, base = [], [], 0.0
+    for c0 in range(0, len(p), GPU_CHUNK):
+        blk = p[c0:c0 + GPU_CHUNK].astype(np.float64)
+        lanes = np.zeros(32)
+        for k in range(len(blk)):
+            lanes[k % 32] += blk[k]
+        for o in (16, 8, 4, 2, 1):
+            lanes = lanes + lanes[np.arange(32) ^ o]
+        run = base
+        for g in range(0, len(blk), 32):
+            s = np.zeros(32)
+            s[:len(blk[g:g + 32])] = blk[g:g + 32]
+            for o in (1, 2, 4, 8, 16):
+                s = np.concatenate([s[:o], s[o:] + s[:-o]])
+            run += s[31]
+            group_run.append(run)
+        base += lanes[0]
+        chunk_run.append(base)
+    return np.array(chunk_run), np.array(group_run)
+
+
+def _around(targets, total: float, ulps: int = 2) -> set:
+    """Uniforms whose u * total lands on or next to each target (u in [0, 1))."""
+    out = set()
+    for t in targets:
+        if not np.isfinite(t) or total <= 0:
+            continue
+        u = min(max(t / total, 0.0), LAST_U)
+        for _ in range(ulps):
+            u = np.nextafter(u, 0.0)
+        for _ in range(2 * ulps + 1):
+            if 0.0 <= u < 1.0:
+                out.add(float(u))
+            u = np.nextafter(u, 2.0)
+    return out
+
+
+def _between(a: float, b: float) -> list:
+    lo, hi = min(a, b), max(a, b)
+    return [lo, hi, lo + (hi - lo) / 2, np.nextafter(hi, 0.0), np.nextafter(lo, 2.0)]
+
+
+def between_sum_and_scan(p: np.ndarray) -> set:
+    """u * total between a block's (chunk's) sum as a kernel forms it and the sequential CDF there."""
+    Q = reference_cdf(p)
+    total = Q[-1]
+    targets = []
+    ends = np.minimum(np.arange(CPU_BLOCK, len(p) + CPU_BLOCK, CPU_BLOCK), len(p)) - 1
+    for est, e in zip(cpu_block_sums(p), ends):
+        targets += _between(est, Q[e])
+    chunk_run, group_run = gpu_chunk_sums(p)
+    ends = np.minimum(np.arange(GPU_CHUNK, len(p) + GPU_CHUNK, GPU_CHUNK), len(p)) - 1
+    for est, e in zip(chunk_run, ends):
+        targets += _between(est, Q[e])
+    group_ends = np.concatenate([np.arange(c0, min(c0 + GPU_CHUNK, len(p)), 32) + 31
+                                 for c0 in range(0, len(p), GPU_CHUNK)])
+    for est, e in zip(group_run, np.minimum(group_ends, len(p) - 1)):
+        if est != Q[e]:
+            targets += _between(est, Q[e])
+    return _around(targets, total, 1)
+
+
+def on_cdf_step(p: np.ndarray, rng: np.random.Generator, n: int = 12) -> set:
+    """u * total exactly on (and one ulp around) steps of the reference's CDF: the steps of the first ids
+    of mass after each block and chunk boundary, the last step, and some at random."""
+    Q = reference_cdf(p)
+    nz = np.flatnonzero(p > 0)
+    picks = set(rng.choice(nz, min(n, len(nz)), replace=False).tolist()) | {int(nz[0]), int(nz[-1])}
+    for size in (CPU_BLOCK, GPU_CHUNK, 32):
+        for b0 in range(size, len(p), size):
+            after = nz[nz >= b0]
+            if after.size:
+                picks |= {int(after[0])}
+            before = nz[nz < b0]
+            if before.size:
+                picks |= {int(before[-1])}
+    targets = [Q[v] for v in picks] + [Q[v - 1] for v in picks if v > 0]
+    return _around(targets, Q[-1], 1)
+
+
+def below_total(p: np.ndarray) -> set:
+    """u just below 1, u * total just below the reference's total, and in the gap to the kernels' totals."""
+    Q = reference_cdf(p)
+    total = Q[-1]
+    targets = [total, np.nextafter(total, 0.0)]
+    targets += _between(cpu_block_sums(p)[-1], total)
+    targets += _between(gpu_chunk_sums(p)[0][-1], total)
+    out = _around(targets, total, 2)
+    u = 1.0
+    for _ in range(4):
+        u = np.nextafter(u, 0.0)
+        out.add(float(u))
+    return out
+
+
+STRATEGIES = ("between_sum_and_scan", "on_cdf_step", "below_total")
+
+
+def edge_uniforms(strategy: str, p: np.ndarray, seed: int) -> np.ndarray:
+    if strategy == "between_sum_and_scan":
+        u = between_sum_and_scan(p)
+    elif strategy == "on_cdf_step":
+        u = on_cdf_step(p, np.random.default_rng(seed))
+    else:
+        u = below_total(p)
+    return np.array(sorted(u), dtype=np.float64)
+
+
+# ------------------------------------------------------------------------------------------------ the kernels
+def cpu_draws(z: np.ndarray, temp, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(probabilities the CPU pass writes for row z (1, V), its draw for each uniform)."""
+    R = len(u)
+    logits = np.ascontiguousarray(np.broadcast_to(z, (R, z.shape[1])), dtype=np.float32)[None]
+    probs = np.empty_like(logits)
+    result = FusedSampler()(logits, np.array([0]), None if temp is None else np.float32(temp), u[None], probs)
+    assert (probs[0] == probs[0, :1]).all(), "the pass wrote different probabilities for copies of one row"
+    return probs[0, 0], result.sampled[0]
+
+
+_SIM = {}
+
+
+def sim_device():
+    if "device" not in _SIM:
+        from diffusiongemma.fast.gpu.sim import SimDevice
+
+        _SIM["device"] = SimDevice(checks=False)
+    return _SIM["device"]
+
+
+def gpu_draws(z: np.ndarray, temp, u: np.ndarray, device=None) -> tuple[np.ndarray, np.ndarray]:
+    """As ``cpu_draws`` for ``dg_sample_rows`` on cuda-sim (one launch row per uniform, all reading copies
+    of z; no soft-cap)."""
+    from diffusiongemma.fast.gpu import launch as gl
+
+    device = device or sim_device()
+    R, V = len(u), z.shape[1]
+    buf = device.to_device(np.ascontiguousarray(np.broadcast_to(z, (R, V)), dtype=np.float32))
+    argmax, sampled = device.zeros(R, np.int64), device.zeros(R, np.int64)
+    entropy, flags = device.zeros(R, np.float32), device.zeros(R, np.int32)
+    device.launch(gl.sample_rows(buf, device.to_device(np.arange(R, dtype=np.int32)), 0.0,
+                                 0.0 if temp is None else float(np.float32(temp)), device.to_device(u), argmax,
+                                 entropy, sampled, flags))
+    probs = device.to_host(buf)
+    assert (device.to_host(flags) == 0).all()
+    assert (probs == probs[:1]).all(), "the kernel wrote different probabilities for copies of one row"
+    return probs[0], device.to_host(sampled)
+
+
+def assert_reference_draws(probs: np.ndarray, u: np.ndarray, got: np.ndarray, what: str) -> None:
+    expected = categorical_from_uniform(np.broadcast_to(probs, (len(u), len(probs))), u)
+    bad = np.flatnonzero(got != expected)
+    assert bad.size == 0, (f"{what}: {bad.size} of {len(u)} edge draws differ from the reference, e.g. u={u[bad[0]]!r} "
+                           f"-> {int(got[bad[0]])} (p={float(probs[got[bad[0]]])!r}), reference "
+                           f"{int(expected[bad[0]])}")
+    assert (probs[got] > 0).all(), f"{what}: a draw of probability 0"
+
+
+# ------------------------------------------------------------------------------------------------ tests
+edge_cases = st.tuples(st.sampled_from(KINDS), st.sampled_from(VOCABS), st.sampled_from(TEMPERATURES),
+                       st.sampled_from(STRATEGIES), st.integers(0, 2**16))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(edge_cases)
+def test_cpu_draws_equal_the_reference_at_the_edges(case):
+    kind, V, temp, strategy, seed = case
+    z = build_logits(kind, V, seed)
+    probs, _ = cpu_draws(z, temp, np.array([0.5]))
+    u = edge_uniforms(strategy, probs, seed)
+    probs, got = cpu_draws(z, temp, u)
+    assert_reference_draws(probs, u, got, f"CPU {kind} V={V} T={temp} {strategy}")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(edge_cases)
+def test_gpu_draws_equal_the_reference_at_the_edges(case):
+    kind, V, temp, strategy, seed = case
+    z = build_logits(kind, V, seed)
+    probs, _ = gpu_draws(z, temp, np.array([0.5]))
+    u = edge_uniforms(strategy, probs, seed)
+    probs, got = gpu_draws(z, temp, u)
+    assert_reference_draws(probs, u, got, f"cuda-sim {kind} V={V} T={temp} {strategy}")
+
+
+@pytest.mark.parametrize("kind", ["tiny_masses", "gap_at_end"])
+def test_large_vocabulary_edges(kind):
+    """V = 262,144 (the released models' vocabulary): 128 blocks, 256 chunks; a few edge uniforms each."""
+    V = 262144
+    z = build_logits(kind, V, 5)
+    probs, _ = cpu_draws(z, 1.0, np.array([0.5]))
+    rng = np.random.default_rng(1)
+    u = np.concatenate([edge_uniforms(s, probs, 3) for s in STRATEGIES])
+    u = np.unique(np.concatenate([u[rng.choice(len(u), min(len(u), 24), replace=False)], [LAST_U]]))
+    cprobs, got = cpu_draws(z, 1.0, u)
+    assert_reference_draws(cprobs, u, got, f"CPU {kind} V={V}")
+    gprobs, got = gpu_draws(z, 1.0, u[:8])
+    assert_reference_draws(gprobs, u[:8], got, f"cuda-sim {kind} V={V}")
+
+
+def test_the_issue_row_never_draws_an_excluded_id():
+    """Rows of 4096 with tiny masses in block 0 and -inf from id 2048 on: every u in the gap between the
+    lane sum of block 0 and its sequential sum drew id 2048 (probability 0)."""
+    rng = np.random.default_rng(0)
+    for seed in range(4):
+        z = np.full((1, 4096), -np.inf, dtype=np.float32)
+        z[0, :2048] = rng.uniform(-34, -26, 2048)
+        z[0, rng.integers(0, 2048, 20)] = 0.0
+        probs, _ = cpu_draws(z, None, np.array([0.5]))
+        u = np.array(sorted(below_total(probs) | between_sum_and_scan(probs)))
+        probs, got = cpu_draws(z, None, u)
+        assert (got < 2048).all()
+        assert_reference_draws(probs, u, got, "CPU issue row")
+
+
+def test_the_edge_strategies_reach_the_gaps():
+    """The strategies do aim at rounding gaps: on these rows the kernels' block and chunk sums differ
+    from the sequential CDF, so the uniforms above are not all ordinary ones."""
+    hits = 0
+    for kind in KINDS:
+        z = build_logits(kind, 4097, 1)
+        probs, _ = cpu_draws(z, 1.0, np.array([0.5]))
+        Q = reference_cdf(probs)
+        ends = np.minimum(np.arange(CPU_BLOCK, 4097 + CPU_BLOCK, CPU_BLOCK), 4097) - 1
+        hits += int(np.any(cpu_block_sums(probs) != Q[ends]))
+        ends = np.minimum(np.arange(GPU_CHUNK, 4097 + GPU_CHUNK, GPU_CHUNK), 4097) - 1
+        hits += int(np.any(gpu_chunk_sums(probs)[0] != Q[ends]))
+    assert hits >= len(KINDS)
+
+
+def test_gpu_partial_sums_model():
+    """The chunk size the GPU model above assumes is the kernels' own."""
+    from diffusiongemma.fast.gpu import launch as gl
+
+    assert gl.const("DG_SAMPLE_CHUNK") == GPU_CHUNK
