@@ -7,14 +7,15 @@ sampling pass). Configuration, weight loading, errors, draw sources and ``Genera
 reference's own (``diffusiongemma.reference``).
 """
 
-import os
+if __name__ != "diffusiongemma.fast":  # e.g. ``import fast`` from the repository root
+    raise ImportError(f"this package is diffusiongemma.fast; import it under that name (it was imported as "
+                      f"{__name__!r}, which would make a second copy of every class)")
 
-# The kernels' OpenMP regions alternate with BLAS calls that have their own thread pool. By default an
-# idle OpenMP thread spins for a while after each region, and those spinning threads take the cores the
-# BLAS threads need (with two threads on two cores, a decoder pass became 30x slower). Passive waiting
-# costs a few microseconds per region and removes the contention. libgomp reads this variable once,
-# when it is first loaded; an explicit setting by the user wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# The kernels' OpenMP regions alternate with BLAS calls that have their own thread pool; OpenMP threads that
+# spin while idle take the cores the BLAS threads need (with two threads on two cores, a decoder pass became
+# 30x slower). Importing the package (diffusiongemma/threads.py) has already loaded GNU OpenMP with passive
+# waits and the free cores' count, without writing either into os.environ; a user's setting wins.
 
 from .cache import KVCache  # noqa: E402
 from diffusiongemma.reference.generate import generate  # noqa: E402  (the one loop; fast.Model brings its backend)

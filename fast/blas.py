@@ -40,10 +40,10 @@ def _numpy_openblas() -> str | None:
         from threadpoolctl import threadpool_info
     except ImportError:  # pragma: no cover - a declared dependency
         return None
-    numpy_dir = os.path.dirname(os.path.dirname(os.path.abspath(np.__file__)))
+    numpy_dir = os.path.dirname(os.path.abspath(np.__file__))  # NumPy's wheels keep it in numpy.libs beside it
     candidates = [p for p in threadpool_info() if p.get("internal_api") == "openblas"]
     for pool in sorted(candidates, key=lambda p: not p["filepath"].startswith(numpy_dir)):
-        return pool["filepath"]  # NumPy's own first (under site-packages/numpy.libs), else the only one
+        return pool["filepath"]  # NumPy's own first (not SciPy's, in scipy.libs), else the only one
     return None
 
 

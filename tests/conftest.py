@@ -3,4 +3,51 @@
 The helpers (``tests.hf_tiny``, ``tests.hf_oracle``, ``tests.random_weights``) are imported as modules of
 this package, so the repository root must be importable; pytest puts it on ``sys.path`` because ``tests/``
 is a package (``tests/__init__.py``).
+
+Every test runs in the process state it found: the autouse fixture ``process_state`` puts back, after each
+test, the environment variables, the thread counts of every BLAS and OpenMP library loaded before the test
+(an in-process run of the command line sizes them, ``torch.set_num_threads`` changes torch's), and what
+``diffusiongemma.threads`` reports. So the suite passes in any order (CI runs it in a random one:
+pytest-randomly, whose seed is printed in the header; ``-p randomly --randomly-seed=N`` replays an order)
+and with any environment the caller has. ``-m "not slow"`` skips the slow tests.
 """
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+
+def _thread_pools() -> list:
+    """(controller, threads) of every BLAS and OpenMP library loaded now."""
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # pragma: no cover - a declared dependency
+        return []
+    return [(lib, lib.get_num_threads()) for lib in ThreadpoolController().lib_controllers]
+
+
+@pytest.fixture(autouse=True)
+def process_state():
+    """Restore os.environ, the loaded thread pools' sizes, torch's thread count and the package's thread
+    record after the test."""
+    from diffusiongemma import threads
+
+    environ = dict(os.environ)
+    pools = _thread_pools()
+    torch = sys.modules.get("torch")
+    torch_threads = torch.get_num_threads() if torch is not None else None
+    record = dict(threads._state)
+    yield
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    for lib, count in pools:
+        if count is not None and lib.get_num_threads() != count:
+            lib.set_num_threads(count)
+    if torch_threads is not None and torch.get_num_threads() != torch_threads:
+        torch.set_num_threads(torch_threads)
+    threads._state.clear()
+    threads._state.update(record)

@@ -7,12 +7,14 @@ memory, and leave the BLAS library's thread count as they found it.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from diffusiongemma.fast import _kernels as K
-from diffusiongemma.fast.blas import CPU_ARRAYS
+from diffusiongemma.fast.blas import CPU_ARRAYS, _numpy_openblas
 
 
 def f32(*shape, seed=0):
@@ -94,9 +96,19 @@ def test_bad_shapes_and_offsets_are_refused():
         K.expert_ffn(x, np.array([0, 4, 6, R], np.int64), wgu, wd, bufs[0][:5], bufs[1], bufs[2])
 
 
+def numpy_blas_threads() -> int:
+    """Threads of NumPy's own OpenBLAS (SciPy, loaded by transformers, brings a second one)."""
+    return next(p["num_threads"] for p in threadpool_info() if p["filepath"] == _numpy_openblas())
+
+
+def test_the_kernels_use_numpys_openblas_beside_scipys():
+    pytest.importorskip("scipy.linalg")  # loads SciPy's own OpenBLAS, listed before NumPy's by threadpoolctl
+    path = _numpy_openblas()
+    assert path.startswith(os.path.dirname(os.path.abspath(np.__file__))), path  # numpy.libs, not scipy.libs
+
+
 def test_blas_thread_count_is_restored():
-    def blas_threads():
-        return next(p["num_threads"] for p in threadpool_info() if p["internal_api"] == "openblas")
+    blas_threads = numpy_blas_threads
 
     with threadpool_limits(limits=2, user_api="blas"):
         K.gemm(f32(300, 64), f32(700, 64), True, np.empty((300, 700), np.float32))

@@ -1,0 +1,170 @@
+"""Thread sizing of BLAS and OpenMP, the same for the library and the command line.
+
+NumPy's OpenBLAS and the fast path's OpenMP kernels each start one thread per core by default. On a machine
+whose cores are busy with other work, that oversubscribes them: a BLAS call splits its work statically over
+its threads and waits for the slowest, and a thread that shares its core with a busy process runs only every
+few milliseconds, so every small matrix product waits a scheduler time slice (the shipped model ran 10-30x
+slower with one busy background process on two cores). Threads that spin while they wait make it worse,
+taking the cores from the threads doing the work.
+
+``configure`` therefore sizes this process's thread pools:
+
+* to ``threads`` when given (``configure(threads=2)``, ``diffusiongemma generate --threads 2``);
+* else, when the environment sets a count (any of ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``,
+  ``MKL_NUM_THREADS``, ``GOTO_NUM_THREADS``, ``BLIS_NUM_THREADS``), to nothing: the user's setting wins;
+* else to the cores that are free now: the cores this process may use (CPU affinity, capped by a cgroup CPU
+  quota) minus the runnable tasks of other processes, at least 1.
+
+Importing ``diffusiongemma`` calls ``configure()`` once, so ``generate`` and the models run on the same
+threads from Python as from the command line. Nothing is written to ``os.environ``: the BLAS libraries
+already loaded are limited at run time (threadpoolctl), and GNU OpenMP, which reads its settings only once,
+when it loads, is loaded here with passive waits (``OMP_WAIT_POLICY=PASSIVE`` unless the user set a policy:
+an idle worker sleeps instead of spinning) and the chosen count in the environment for the duration of that
+load only. Child processes therefore start from the user's own environment and size themselves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import time
+from typing import Mapping
+
+__all__ = ["COUNT_VARIABLES", "usable_cores", "busy_cores", "choose_thread_count", "configure", "describe",
+           "blas_threads"]
+
+COUNT_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "GOTO_NUM_THREADS",
+                   "BLIS_NUM_THREADS")  # the variables that set a thread count (any one set: the user's choice)
+WAIT_VARIABLE = "OMP_WAIT_POLICY"
+
+# What ``configure`` last did: the count it set (None: none set), who chose it, the OpenMP wait policy.
+_state: dict = {"threads": None, "chosen_by": "library default", "wait_policy": None}
+_openmp = {"loaded": False, "wait_policy": None}  # GNU OpenMP, loaded by ``_load_openmp`` (once per process)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (``cpu.max``)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(cores, 1)
+
+
+def busy_cores(samples: int = 5, interval: float = 0.002, loadavg: str = "/proc/loadavg") -> int:
+    """Runnable tasks of other processes right now: the median over ``samples`` readings of the kernel's
+    count of runnable tasks (``/proc/loadavg``, 4th field), minus this process. 0 where /proc is missing."""
+    counts = []
+    for n in range(samples):
+        try:
+            with open(loadavg, encoding="ascii") as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)  # minus the reading process
+        except (OSError, ValueError, IndexError):
+            return 0
+        if n + 1 < samples:
+            time.sleep(interval)
+    counts.sort()
+    return max(counts[len(counts) // 2], 0)
+
+
+def choose_thread_count() -> int:
+    """The cores free for this run: usable cores minus busy ones, at least 1."""
+    return max(1, usable_cores() - busy_cores())
+
+
+def users_count(environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """(variable, value) of the first thread-count variable set in ``environ`` (default ``os.environ``)."""
+    environ = os.environ if environ is None else environ
+    return next(((name, environ[name]) for name in COUNT_VARIABLES if name in environ), None)
+
+
+def _gomp_loaded() -> bool:
+    """Whether a GNU OpenMP runtime named libgomp.so.1 is mapped into this process already."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            return any(line.rstrip().endswith("/libgomp.so.1") for line in f)
+    except OSError:  # pragma: no cover - not Linux
+        return True  # cannot tell: leave the runtime to load as it will
+
+
+def _load_openmp(count: int | None) -> None:
+    """Load GNU OpenMP (the runtime the fast path's kernels link) with passive waits and ``count`` threads.
+
+    libgomp reads ``OMP_WAIT_POLICY`` and ``OMP_NUM_THREADS`` once, when it loads; the kernels' extension,
+    loaded later, shares this copy. The variables are set for the load only and restored at once."""
+    if _openmp["loaded"]:
+        return
+    _openmp["loaded"] = True
+    name = ctypes.util.find_library("gomp")
+    if name is None or _gomp_loaded():
+        _openmp["wait_policy"] = os.environ.get(WAIT_VARIABLE)
+        return
+    temporary = {WAIT_VARIABLE: os.environ.get(WAIT_VARIABLE) or "PASSIVE"}
+    if count is not None:
+        temporary["OMP_NUM_THREADS"] = str(count)
+    saved = {key: os.environ.get(key) for key in temporary}
+    try:
+        os.environ.update(temporary)
+        ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+        _openmp["wait_policy"] = temporary[WAIT_VARIABLE]
+    except OSError:  # pragma: no cover - a broken installation: the kernels will say so when they load
+        _openmp["wait_policy"] = saved[WAIT_VARIABLE]
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def configure(threads: int | None = None) -> int | None:
+    """Size BLAS and OpenMP as the module docstring says; returns the count set, or None when the
+    environment's own setting was kept. ``threads``: a positive count that wins over everything."""
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        count, chosen_by = threads, "threads="
+    elif users_count() is not None:
+        count, chosen_by = None, "environment"
+    else:
+        count, chosen_by = choose_thread_count(), "diffusiongemma"
+    _load_openmp(count)
+    if count is not None:
+        from threadpoolctl import threadpool_limits
+
+        import numpy  # noqa: F401  (loads the BLAS to limit)
+
+        threadpool_limits(limits=count, user_api="blas")  # kept in force: the limiter is not a context here
+        threadpool_limits(limits=count, user_api="openmp")
+    _state.update(threads=count, chosen_by=chosen_by, wait_policy=os.environ.get(WAIT_VARIABLE)
+                  or _openmp["wait_policy"])
+    return count
+
+
+def blas_threads() -> list[int]:
+    """Threads of every BLAS library loaded in this process, as threadpoolctl reports them."""
+    from threadpoolctl import threadpool_info
+
+    return [int(info["num_threads"]) for info in threadpool_info() if info.get("user_api") == "blas"]
+
+
+def describe() -> dict:
+    """What the process uses: ``{"threads": n or None, "chosen_by": "diffusiongemma" | "threads=" |
+    "environment" | "library default", "wait_policy": ..., "blas_threads": [threads of each loaded BLAS]}``
+    (``generate --json``)."""
+    threads, chosen_by = _state["threads"], _state["chosen_by"]
+    if chosen_by == "environment":
+        try:
+            threads = int(users_count()[1])
+        except (TypeError, ValueError):
+            threads = None
+    return {"threads": threads, "chosen_by": chosen_by, "wait_policy": _state["wait_policy"],
+            "blas_threads": blas_threads()}
