@@ -1,0 +1,347 @@
+"""Writing a DiffusionGemma checkpoint as a llama.cpp GGUF file (architecture ``diffusion-gemma``).
+
+    write_gguf(src, dst, gguf_type="f32") -> GGUFSummary      (diffusiongemma convert MODEL out.gguf)
+
+``src`` is anything ``Model.from_pretrained`` reads (a converted directory, a transformers directory, a GGUF
+file). The file is the one llama.cpp's own converter (``conversion/diffusion_gemma.py`` on ``Gemma4Model``,
+PR #24423) would write from the transformers checkpoint, so a transformers 5.24 user, whose config keeps
+``global_head_dim`` and the full layers' key/value heads under ``per_layer_config`` where that converter does
+not look, need not patch it. ``weights_converter/gguf.py`` reads it back (and documents the layout):
+
+* metadata ``diffusion-gemma.*``: block_count, context_length, embedding_length, feed_forward_length,
+  attention.head_count, per-layer attention.head_count_kv (INT32 array), key/value_length (full layers) and
+  key/value_length_swa, sliding_window, per-layer bool sliding_window_pattern, layer_norm_rms_epsilon,
+  causal = false, rope.freq_base / freq_base_swa, rope.dimension_count (the full head) /
+  dimension_count_swa, expert_count, expert_used_count, expert_feed_forward_length,
+  final_logit_softcapping, shared_kv_layers = 0, embedding_length_per_layer_input = 0; and, not
+  arch-prefixed, ``diffusion.canvas_length`` and the sampler defaults ``diffusion.eb_*`` from the
+  checkpoint's generation settings;
+* tensors named by ``gguf.GGUF_NAMES`` with the experts' gate and up projections fused
+  (``ffn_gate_up_exps``), the encoder's and the decoder's layer scalars apart, no ``output.weight`` (tied),
+  and ``rope_freqs.weight`` = ``[1.0] * n_rot + [1e30] * rest`` for the full layers' proportional RoPE
+  (all 1.0 for plain RoPE: llama.cpp's loader requires the tensor for full layers);
+* the tokenizer as llama.cpp's vocabulary loader reads it: a byte-level BPE (``tokenizer.json`` with a
+  ByteLevel pre-tokenizer, like the shipped tiny-kjv) as ``tokenizer.ggml.model = "gpt2"`` with
+  ``tokenizer.ggml.pre = "gpt-2"``; a SentencePiece-style BPE (U+2581 for spaces, byte fallback, Gemma's) as
+  ``"gemma4"``; tokens in id order, padded to the embedding's vocab_size with unused ``[PAD{i}]`` entries
+  (llama.cpp draws random canvas ids over its token count), token types (special added tokens CONTROL),
+  merges as ``"left right"``, the bos / eos (the second end id as eot) / pad / unk / mask ids (llama.cpp's
+  diffusion CLI refuses a vocabulary without a mask token: the tokenizer's ``mask_token``, else a token
+  ``<mask>``, else the pad id), ``add_bos_token`` as the tokenizer adds BOS, ``add_space_prefix`` false;
+* ``tokenizer.chat_template``: the checkpoint's template; a checkpoint without one gets a pass-through
+  template (the user text as is), because llama.cpp's diffusion CLI always applies a template and would
+  otherwise wrap the prompt in ChatML.
+
+Types (``gguf_type``): ``f32`` keeps every tensor float32, bit for bit. ``f16`` and ``q8_0`` store the
+matrices as F16 / Q8_0 (``gguf.quants``, llama.cpp's rounding) and keep float32 what llama.cpp's converter
+keeps float32: 1-D tensors, ``*_norm.weight``, the router's ``ffn_gate_inp.weight`` and the ``.scale``
+tensors; a Q8_0 matrix whose rows are not whole 32-element blocks falls back to F16, as there.
+
+Errors: ``InputError`` for a bad ``gguf_type`` or destination (exists without ``force``, not ``.gguf``),
+``CheckpointError`` for a source without a tokenizer llama.cpp can read, or a model the format cannot hold
+(more than two end ids, a RoPE llama.cpp does not implement). The file is written to a temporary name
+beside ``dst`` and renamed, so a failure leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from diffusiongemma.reference import InputError
+from diffusiongemma.reference.config import FULL, SLIDING, ModelConfig
+
+from .gguf import ARCHITECTURE, ROPE_FREQS, gguf_name
+
+__all__ = ["GGUF_TYPES", "GGUFSummary", "write_gguf", "write_model_gguf", "PASS_THROUGH_TEMPLATE"]
+
+GGUF_TYPES = ("f32", "f16", "q8_0")
+PASS_THROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+_FROZEN = 1e30  # rope_freqs entry of a pair that does not rotate (llama.cpp's converter writes 1e30)
+_A = ARCHITECTURE
+
+# llama.cpp token types (llama.h LLAMA_TOKEN_TYPE_*)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+
+@dataclass
+class GGUFSummary:
+    """What ``write_gguf`` wrote."""
+
+    source: str
+    destination: str
+    gguf_type: str
+    num_tensors: int
+    tensor_types: dict[str, int] = field(default_factory=dict)  # ggml type name -> tensor count
+    file_bytes: int = 0
+    tokenizer_model: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.tensor_types.items()))
+        lines = [f"wrote {self.destination} ({self.file_bytes} bytes, {self.num_tensors} tensors: {kinds}; "
+                 f"tokenizer {self.tokenizer_model}) from {self.source}"]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+# ================================================================================================ tensors
+def _storage_type(gguf: Any, name: str, array: np.ndarray, gguf_type: str):
+    """The ggml type a tensor is stored as, by llama.cpp's converter rules (module docstring)."""
+    Q = gguf.GGMLQuantizationType
+    if (gguf_type == "f32" or array.ndim <= 1 or name.endswith("_norm.weight") or name.endswith(".ffn_gate_inp.weight")
+            or not name.endswith(".weight")):
+        return Q.F32
+    if gguf_type == "f16":
+        return Q.F16
+    block = gguf.GGML_QUANT_SIZES[Q.Q8_0][0]
+    return Q.Q8_0 if array.shape[-1] % block == 0 else Q.F16
+
+
+def _encode(gguf: Any, array: np.ndarray, qtype) -> np.ndarray:
+    Q = gguf.GGMLQuantizationType
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if qtype == Q.F32:
+        return array
+    if qtype == Q.F16:
+        return array.astype(np.float16)
+    return gguf.quants.quantize(array, qtype)
+
+
+def _rope_freqs(config: ModelConfig) -> np.ndarray | None:
+    """``rope_freqs.weight`` of the full layers, or None when the model has no full layer."""
+    if FULL not in config.layer_types:
+        return None
+    d = config.layer_head_dim[config.layer_types.index(FULL)]
+    rope = config.rope_parameters[FULL]
+    if rope.rope_type == "default":
+        n_rot = d // 2
+    elif rope.rope_type == "proportional":
+        n_rot = int(d * rope.partial_rotary_factor / 2)
+    else:
+        raise InputError(f"full-attention RoPE type {rope.rope_type!r} has no llama.cpp encoding "
+                         "(supported: default, proportional)")
+    return np.array([1.0] * n_rot + [_FROZEN] * (d // 2 - n_rot), dtype=np.float32)
+
+
+# ================================================================================================ metadata
+def _model_metadata(w: Any, config: ModelConfig) -> None:
+    types = config.layer_types
+    full = types.index(FULL) if FULL in types else 0
+    sliding = types.index(SLIDING) if SLIDING in types else full
+    if SLIDING in types and config.rope_parameters[SLIDING].rope_type != "default":
+        raise InputError(f"sliding-attention RoPE type {config.rope_parameters[SLIDING].rope_type!r}: llama.cpp "
+                         "rotates whole sliding heads with plain RoPE")
+    theta_full = (config.rope_parameters[FULL] if FULL in types else config.rope_parameters[SLIDING]).rope_theta
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(int(getattr(config, "max_position_embeddings", 131072)))
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv([int(g) for g in config.layer_num_key_value_heads])
+    w.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    w.add_key_length(config.layer_head_dim[full])
+    w.add_value_length(config.layer_head_dim[full])
+    w.add_key_length_swa(config.layer_head_dim[sliding])
+    w.add_value_length_swa(config.layer_head_dim[sliding])
+    w.add_sliding_window(config.sliding_window)
+    w.add_sliding_window_pattern([t == SLIDING for t in types])
+    w.add_causal_attention(False)
+    w.add_shared_kv_layers(0)
+    w.add_embedding_length_per_layer_input(0)
+    w.add_expert_count(config.num_experts)
+    w.add_expert_used_count(config.top_k_experts)
+    w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    w.add_rope_freq_base(float(theta_full))
+    if SLIDING in types:
+        w.add_rope_freq_base_swa(float(config.rope_parameters[SLIDING].rope_theta))
+    w.add_rope_dimension_count(config.layer_head_dim[full])
+    w.add_rope_dimension_count_swa(config.layer_head_dim[sliding])
+    w.add_final_logit_softcapping(float(config.final_logit_softcapping))
+    w.add_uint32("diffusion.canvas_length", config.canvas_length)
+
+
+def _generation_metadata(w: Any, src: str) -> None:
+    """``diffusion.eb_*`` from the source's generation settings (absent keys: llama.cpp's defaults apply)."""
+    from diffusiongemma.checkpoint import load_generation_config
+
+    try:
+        gen = load_generation_config(src)
+    except (FileNotFoundError, OSError):
+        return
+    w.add_uint32("diffusion.eb_max_steps", int(gen.max_denoising_steps))
+    w.add_float32("diffusion.eb_t_min", float(gen.t_min))
+    w.add_float32("diffusion.eb_t_max", float(gen.t_max))
+    w.add_float32("diffusion.eb_entropy_bound", float(gen.entropy_bound))
+    w.add_uint32("diffusion.eb_stability_threshold", int(gen.stability_threshold))
+    w.add_float32("diffusion.eb_confidence_threshold", float(gen.confidence_threshold))
+
+
+def _tokenizer_metadata(gguf: Any, w: Any, src: str, config: ModelConfig, notes: list[str]) -> str:
+    """``tokenizer.ggml.*`` and ``tokenizer.chat_template``; returns the tokenizer model name written."""
+    from diffusiongemma.checkpoint import load_text_side
+    from diffusiongemma.reference import CheckpointError
+
+    text = load_text_side(src)
+    spec = json.loads(text.tokenizer.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise CheckpointError(f"{src}: the tokenizer is a {model.get('type')!r} model; a GGUF for llama.cpp needs a "
+                              "BPE tokenizer (byte-level like GPT-2, or SentencePiece-style like Gemma)")
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {int(t["id"]): t for t in spec.get("added_tokens", [])}
+    for i, t in added.items():
+        vocab[t["content"]] = i
+    size = max(max(vocab.values()) + 1, config.vocab_size)
+    if size > config.vocab_size:
+        raise CheckpointError(f"{src}: the tokenizer has ids up to {size - 1}, beyond the model's vocab_size "
+                              f"{config.vocab_size}")
+    tokens: list[str | None] = [None] * size
+    for token, i in vocab.items():
+        tokens[i] = token
+    types = []
+    for i, token in enumerate(tokens):
+        if token is None:
+            tokens[i] = f"[PAD{i}]"
+            types.append(_UNUSED)
+        elif i in added:
+            types.append(_CONTROL if added[i].get("special") else _USER_DEFINED)
+        elif token.startswith("<0x") and token.endswith(">") and len(token) == 6:
+            types.append(_BYTE)
+        else:
+            types.append(_NORMAL)
+    if len(set(tokens)) != len(tokens):
+        raise CheckpointError(f"{src}: the tokenizer maps one token string to several ids; llama.cpp's vocabulary "
+                              "needs one string per id")
+    pre = json.dumps(spec.get("pre_tokenizer"))
+    byte_level = '"ByteLevel"' in pre
+    kind = "gpt2" if byte_level else "gemma4"
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    if not byte_level and not model.get("byte_fallback"):
+        raise CheckpointError(f"{src}: the tokenizer is neither byte-level (ByteLevel pre-tokenizer) nor a "
+                              "SentencePiece-style BPE with byte fallback; llama.cpp has no matching vocabulary type")
+    w.add_tokenizer_model(kind)
+    if byte_level:
+        w.add_tokenizer_pre("gpt-2")  # GPT-2's split regex, as tokenizers' ByteLevel(use_regex=True)
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * size)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+
+    def find(name: str | None) -> int | None:
+        return vocab.get(name) if name else None
+
+    config_file = os.path.join(src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src)),
+                               "tokenizer_config.json")
+    tok_config: dict = {}
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            tok_config = json.load(f)
+
+    def configured(key: str) -> int | None:
+        value = tok_config.get(key)
+        return find(value.get("content") if isinstance(value, dict) else value)
+
+    eos = [int(e) for e in config.eos_token_id]
+    if len(eos) > 2:
+        raise CheckpointError(f"{src}: {len(eos)} end ids {eos}; a GGUF holds two (eos_token_id, eot_token_id)")
+    w.add_bos_token_id(int(config.bos_token_id))
+    w.add_eos_token_id(eos[0])
+    if len(eos) == 2:
+        w.add_eot_token_id(eos[1])
+    w.add_pad_token_id(int(config.pad_token_id))
+    unk = configured("unk_token")
+    if unk is None and model.get("unk_token"):
+        unk = find(model["unk_token"])
+    if unk is not None:
+        w.add_unk_token_id(unk)
+    mask = configured("mask_token")
+    if mask is None:
+        mask = find("<mask>")
+    if mask is None:
+        mask = int(config.pad_token_id)
+        notes.append(f"the tokenizer has no mask token; tokenizer.ggml.mask_token_id is the pad id {mask} "
+                     "(llama.cpp's diffusion CLI needs one; DiffusionGemma never feeds it)")
+    w.add_mask_token_id(mask)
+    probe = text.tokenizer.encode("a", add_special_tokens=True).ids
+    w.add_add_bos_token(bool(probe) and probe[0] == int(config.bos_token_id))
+    w.add_add_space_prefix(False)
+    if text.chat_template:
+        w.add_chat_template(text.chat_template)
+    else:
+        w.add_chat_template(PASS_THROUGH_TEMPLATE)
+        notes.append("the checkpoint has no chat template; the GGUF gets a pass-through template (llama.cpp's "
+                     "diffusion CLI always applies one)")
+    return kind
+
+
+# ================================================================================================ writer
+def write_gguf(src: str | os.PathLike, dst: str | os.PathLike, gguf_type: str = "f32", *, force: bool = False,
+               name: str | None = None) -> GGUFSummary:
+    """Write the checkpoint ``src`` as the GGUF file ``dst`` (see the module docstring); returns a summary."""
+    from diffusiongemma.reference.model import Model
+
+    _check_request(dst, gguf_type, force)
+    src = os.fspath(src)
+    return write_model_gguf(Model.from_pretrained(src), src, dst, gguf_type, force=force,
+                            name=name or os.path.basename(os.path.normpath(src)))
+
+
+def _check_request(dst, gguf_type: str, force: bool) -> str:
+    if gguf_type not in GGUF_TYPES:
+        raise InputError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
+    dst = os.path.abspath(os.fspath(dst))
+    if not dst.lower().endswith(".gguf"):
+        raise InputError(f"the GGUF destination {dst!r} must end in .gguf")
+    if os.path.isdir(dst):
+        raise InputError(f"{dst!r} is a directory, not a .gguf file")
+    if os.path.exists(dst) and not force:
+        raise InputError(f"{dst!r} already exists (pass --force to replace it)")
+    return dst
+
+
+def write_model_gguf(model: Any, text_source: str | os.PathLike, dst: str | os.PathLike, gguf_type: str = "f32", *,
+                     force: bool = False, name: str = "diffusiongemma") -> GGUFSummary:
+    """Write ``model`` (a reference ``Model``: its config and float32 tensors) as the GGUF file ``dst``, with
+    the tokenizer, chat template and generation settings of the checkpoint directory (or GGUF file)
+    ``text_source``."""
+    import gguf
+
+    dst = _check_request(dst, gguf_type, force)
+    text_source = os.fspath(text_source)
+    config = model.config
+    notes: list[str] = []
+    fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=".gguf", dir=os.path.dirname(dst))
+    os.close(fd)
+    counts: dict[str, int] = {}
+    try:
+        w = gguf.GGUFWriter(tmp, _A)
+        w.add_name(name)
+        w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type])
+        _model_metadata(w, config)
+        _generation_metadata(w, text_source)
+        kind = _tokenizer_metadata(gguf, w, text_source, config, notes)
+        tensors: list[tuple[str, np.ndarray]] = [(gguf_name(n), a) for n, a in model.tensors.items()]
+        freqs = _rope_freqs(config)
+        if freqs is not None:
+            tensors.append((ROPE_FREQS, freqs))
+        for gname, array in tensors:
+            qtype = _storage_type(gguf, gname, array, gguf_type)
+            w.add_tensor(gname, _encode(gguf, array, qtype), raw_dtype=qtype)
+            counts[qtype.name] = counts.get(qtype.name, 0) + 1
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, dst)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return GGUFSummary(source=text_source, destination=dst, gguf_type=gguf_type, num_tensors=len(tensors),
+                       tensor_types=counts, file_bytes=os.path.getsize(dst), tokenizer_model=kind, notes=notes)
