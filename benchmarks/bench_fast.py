@@ -2,6 +2,7 @@
 
     python benchmarks/bench_fast.py [--threads 1 2] [--configs small medium] [--repeats 3]
                                     [--phases quiet contended] [--no-stages] [--no-sampling]
+    python benchmarks/bench_fast.py --sampler-ab OTHER_BUILD.so [--threads 1 2] [--repeats 9]
 
 Two phases: "quiet" (whatever else the machine runs) and "contended", during which the benchmark keeps one
 busy background process of its own (a Python loop) and stops it after. In each phase and at each thread
@@ -489,6 +490,55 @@ def sampling_line(repeats, report):
            f"(same next canvas: {same}; {load_now()})")
 
 
+def load_kernels(path: str):
+    """Another build of ``fast/_kernels.pyx`` (e.g. of an older commit, compiled under another module name such
+    as ``_kernels_before``) loaded from ``path``; its module name is the file name up to the first dot."""
+    import importlib.machinery
+    import importlib.util
+
+    name = os.path.basename(path).split(".")[0]
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_loader(name, loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def sampler_ab_line(other_path: str, repeats: int, report, threads: int):
+    """The fused sampling pass of this build against another build's, in alternation (A B A B ...): the same
+    (1, 256, 262144) logits, temperature and uniforms. Reports the median time of each and their ratio."""
+    from diffusiongemma.fast import sampling as fast_sampling
+    from diffusiongemma.fast.sampling import FusedSampler
+
+    builds = {"this build": fast._kernels, "other build": load_kernels(other_path)}
+    B, C, V = 1, 256, 262144
+    logits = (4.0 * np.random.default_rng(0).standard_normal((B, C, V))).astype(np.float32)
+    u = np.random.default_rng(1).random((B, C))
+    u_random = u.copy()
+    temp = np.float32(0.8)
+    probs = np.empty_like(logits)
+    sampler = FusedSampler()
+    rows = np.arange(B, dtype=np.int64)
+
+    def step(module):
+        def run_once():
+            fast_sampling._kernels = module
+            try:
+                return sampler(logits, rows, temp, u, probs)
+            finally:
+                fast_sampling._kernels = builds["this build"]
+        return run_once
+
+    for case, uniforms in (("random u", u_random), ("u = 0, every draw in the rounding margin", np.zeros_like(u))):
+        u[...] = uniforms
+        with threadpool_limits(limits=threads):
+            same = np.array_equal(step(builds["this build"])().sampled, step(builds["other build"])().sampled)
+            t = interleaved({name: step(module) for name, module in builds.items()}, repeats)
+        report(f"sampler A/B over ({B}, {C}, {V}) logits, {case}, {threads} thread(s), median of {repeats} "
+               f"interleaved: this build {t['this build'] * 1e3:.1f} ms, other build {t['other build'] * 1e3:.1f} ms "
+               f"-> this / other = {t['this build'] / t['other build']:.3f} (same draws: {same}; {load_now()})")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -498,7 +548,15 @@ def main(argv=None):
     parser.add_argument("--no-stages", dest="stages", action="store_false")
     parser.add_argument("--no-sampling", dest="sampling", action="store_false")
     parser.add_argument("--no-transformers", action="store_true")
-    run(parser.parse_args(argv))
+    parser.add_argument("--sampler-ab", metavar="SO", help="only time the sampling pass of this build against the "
+                                                           "_kernels build in SO, in alternation, and exit")
+    args = parser.parse_args(argv)
+    if args.sampler_ab:
+        print(f"machine: {machine_line()}\ncommit: {git_commit()}", flush=True)
+        for threads in args.threads:
+            sampler_ab_line(args.sampler_ab, max(args.repeats, 5), lambda line: print(line, flush=True), threads)
+        return
+    run(args)
 
 
 if __name__ == "__main__":

@@ -298,6 +298,23 @@ def test_large_vocabulary_edges(kind):
     assert_reference_draws(gprobs, u[:8], got, f"cuda-sim {kind} V={V}")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("diffusiongemma.fast.gpu", fromlist=["gpu_available"]).gpu_available()[0],
+                    reason="needs a GPU (the same cases run on cuda-sim above)")
+@pytest.mark.parametrize("kind", KINDS)
+def test_real_gpu_draws_equal_the_reference_at_the_edges(kind):
+    """On a GPU (``-m gpu``, benchmarks/gpu_check.sh): every strategy on each row kind, V = 4097 and 262,144."""
+    from diffusiongemma.fast.gpu.device import CupyDevice
+
+    device = CupyDevice("cuda")
+    for V in (4097, 262144):
+        z = build_logits(kind, V, 7)
+        probs, _ = gpu_draws(z, 1.0, np.array([0.5]), device)
+        u = np.concatenate([edge_uniforms(s, probs, 7) for s in STRATEGIES])
+        probs, got = gpu_draws(z, 1.0, u, device)
+        assert_reference_draws(probs, u, got, f"GPU {kind} V={V}")
+
+
 def test_the_issue_row_never_draws_an_excluded_id():
     """Rows of 4096 with tiny masses in block 0 and -inf from id 2048 on: every u in the gap between the
     lane sum of block 0 and its sequential sum drew id 2048 (probability 0)."""
