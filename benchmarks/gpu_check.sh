@@ -7,14 +7,16 @@
 #     environment.txt  nvidia-smi, python, package versions
 #     compile.txt      ptxas registers/spills of every kernel for this GPU's architecture (nvcc if present)
 #     gpu_tests.log    pytest -m gpu output: tests/test_gpu_equivalence.py on the real device (the same tests CI
-#                      runs on the simulated device "cuda-sim"), and the launch checks
+#                      runs on the simulated device "cuda-sim"), the device's launch limits against the table
+#                      cuda-sim enforces and the sampler's edge draws (tests/test_gpu_limits.py,
+#                      tests/test_sampler_edges.py), and the launch checks
 #     bench_gpu.md     the benchmark table (benchmarks/bench_gpu.py), bench.log its output
 #     summary.txt      one line per stage with its exit status and duration
 # Needs: python3 with numpy, cupy (cuda12x or cuda13x), torch (CUDA), transformers >= 5.11, pytest,
 # hypothesis, safetensors, ml_dtypes, tokenizers, tqdm, jinja2, threadpoolctl, setuptools, cython. Wheels
 # for anything missing can be put in ./.whl/ (e.g. `pip download --no-deps ... -d .whl`): they are
-# installed from there with --no-index into a private folder. Budget: about 8 minutes in all (stages
-# are time-boxed: build 120 s, tests 240 s, benchmark 180 s).
+# installed from there with --no-index into a private folder. Budget: about 10 minutes in all (stages
+# are time-boxed: build 120 s, tests 240 s, limits 120 s, benchmark 180 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS="${1:-${OUT:-$PWD/gpu_results}}"
@@ -60,6 +62,19 @@ stage compile 60 "$PY" -m diffusiongemma.fast.gpu.build --arch "$ARCH" > "$RESUL
 #    and the host suites run in CI on any machine), and the launch checks, which are quick
 stage tests 240 "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_gpu_equivalence.py \
     2>&1 | tee "$RESULTS/gpu_tests.log" | tail -25
+stage limits 120 "$PY" -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_gpu_limits.py tests/test_sampler_edges.py \
+    2>&1 | tee -a "$RESULTS/gpu_tests.log" | tail -8
+"$PY" - >> "$RESULTS/environment.txt" 2>&1 <<'PYEOF'
+# the device's own limits next to the table cuda-sim enforces (fast/gpu/launch.py SHARED_OPT_IN_LIMITS)
+import cupy
+from diffusiongemma.fast.gpu import launch as gl
+d = cupy.cuda.Device(0)
+arch, attrs = "sm_" + d.compute_capability, d.attributes
+print(f"limits: {arch} MaxSharedMemoryPerBlockOptin={attrs['MaxSharedMemoryPerBlockOptin']} "
+      f"(table: {gl.SHARED_OPT_IN_LIMITS.get(arch)}) MaxSharedMemoryPerBlock={attrs['MaxSharedMemoryPerBlock']} "
+      f"(default limit {gl.DEFAULT_SHARED_LIMIT}) MaxThreadsPerBlock={attrs['MaxThreadsPerBlock']}")
+PYEOF
+tail -1 "$RESULTS/environment.txt"
 stage launch_tests 60 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_gpu_launch.py \
     2>&1 | tee -a "$RESULTS/gpu_tests.log" | tail -5
 

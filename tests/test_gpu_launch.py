@@ -215,6 +215,8 @@ class FakeRawKernel:
     def __init__(self, code, name, options=()):
         self.code, self.name, self.options = code, name, options
         self.max_dynamic_shared_size_bytes = 0
+        self.shared_size_bytes = 288 if name == "dg_sample_rows" else 0  # static shared memory (ptxas)
+        self.max_threads_per_block = 1024
 
     def compile(self):
         FakeRawKernel.compiled.append(self.name)
@@ -228,6 +230,9 @@ def fake_cupy(device_count=1):
     runtime = types.SimpleNamespace(getDeviceCount=lambda: device_count)
 
     class Device:
+        compute_capability = "86"
+        attributes = {"MaxSharedMemoryPerBlockOptin": 101376}
+
         def __init__(self, index):
             self.index = index
 
@@ -259,6 +264,26 @@ def test_cupy_device_launches_through_raw_kernels(monkeypatch):
     dev.launch(big)
     call = FakeRawKernel.calls[-1]
     assert call["shared_mem"] == big.shared_mem and call["opt_in"] == big.shared_mem
+    assert FakeRawKernel.calls[-1]["name"] == "dg_attention"
+    # the kernels are compiled in the one documented mode: no fused multiply-add contraction
+    assert all(k.options == ("--std=c++14", "--fmad=false") for k in dev._kernels.values())
+    # static + dynamic shared memory over 48 KiB needs the opt-in, even with dynamic alone under it
+    V = (48 * 1024 - 200) // 8 * gl.const("DG_SAMPLE_CHUNK")
+    R = 1
+    i32, i64 = np.int32, np.int64
+    sample = gl.Launch("dg_sample_rows", (1, 1, 1), (256, 1, 1),
+                       gl.pack_args("dg_sample_rows", (z(1, 8), z(R, dtype=i32), R, V, 0.0, 0.0, None, z(R, dtype=i64),
+                                                       z(R), z(R, dtype=i64), z(R, dtype=i32))), 48 * 1024 - 200)
+    assert not sample.needs_shared_opt_in
+    dev.launch(sample)
+    assert FakeRawKernel.calls[-1]["opt_in"] == 48 * 1024 - 200
+    # over the device's opt-in maximum: refused before the driver sees it, with cuda-sim's text
+    huge = gl.Launch("dg_sample_rows", (1, 1, 1), (256, 1, 1), sample.args, 101376)
+    n_calls = len(FakeRawKernel.calls)
+    with pytest.raises(gl.LaunchRefused, match="288 bytes of static and 101376 bytes of dynamic shared memory exceed "
+                                               "the 101376 bytes a block may use on sm_86"):
+        dev.launch(huge)
+    assert len(FakeRawKernel.calls) == n_calls
 
 
 def test_cupy_device_errors(monkeypatch):

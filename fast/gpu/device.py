@@ -17,6 +17,7 @@ from diffusiongemma.reference.errors import InputError
 
 
 from . import launch as gl
+from .build import NVRTC_OPTIONS  # the one compile mode of the kernels (see build.py)
 
 __all__ = ["CupyDevice", "gpu_available", "device_index", "make_device", "DEVICE_NAMES"]
 
@@ -67,6 +68,10 @@ class CupyDevice:
         self.xp = cupy
         self.name = f"cuda:{index}"
         self._device = cupy.cuda.Device(index)
+        #: "sm_XY" and cudaDevAttrMaxSharedMemoryPerBlockOptin of this GPU (the limits launch.check_resources
+        #: applies; cuda-sim applies launch.SHARED_OPT_IN_LIMITS[target], checked against this on a GPU)
+        self.arch = f"sm_{self._device.compute_capability}"
+        self.opt_in_limit = int(self._device.attributes["MaxSharedMemoryPerBlockOptin"])
         self._source = assemble_all()
         self._kernels: dict[str, Any] = {}
         self._opted_in: dict[str, int] = {}
@@ -81,7 +86,7 @@ class CupyDevice:
         kernel = self._kernels.get(name)
         if kernel is None:
             # every kernel shares one source text: CuPy compiles it once and caches the module
-            kernel = self.xp.RawKernel(self._source, name, options=("--std=c++14",))
+            kernel = self.xp.RawKernel(self._source, name, options=NVRTC_OPTIONS)
             self._kernels[name] = kernel
         return kernel
 
@@ -90,9 +95,13 @@ class CupyDevice:
 
     def launch(self, launch: gl.Launch) -> None:
         kernel = self._kernel(launch.kernel)
-        if launch.needs_shared_opt_in and self._opted_in.get(launch.kernel, 0) < launch.shared_mem:
-            kernel.max_dynamic_shared_size_bytes = launch.shared_mem
-            self._opted_in[launch.kernel] = launch.shared_mem
+        # refuse what the driver would refuse, with the text cuda-sim gives, and opt in when static + dynamic
+        # shared memory exceeds 48 KiB (the static part counts: a launch of 47 KiB dynamic may need it)
+        need = gl.check_resources(launch, kernel.shared_size_bytes, kernel.max_threads_per_block,
+                                  self.opt_in_limit, self.arch)
+        if need > self._opted_in.get(launch.kernel, 0):
+            kernel.max_dynamic_shared_size_bytes = need
+            self._opted_in[launch.kernel] = need
         args = tuple(np.uint64(0) if a is None else a for a in launch.args)  # None would not be NULL in CuPy
         kernel(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
 
