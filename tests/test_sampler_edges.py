@@ -355,3 +355,15 @@ def test_gpu_partial_sums_model():
     from diffusiongemma.fast.gpu import launch as gl
 
     assert gl.const("DG_SAMPLE_CHUNK") == GPU_CHUNK
+
+
+def test_the_gpu_fallback_passes_every_simulator_check():
+    """The draws that take the sequential fallback (u = 0, u just below 1, targets between the chunk sums and
+    the CDF) under cuda-sim's bounds, race, divergence and schedule checks."""
+    from diffusiongemma.fast.gpu.sim import SimDevice
+
+    z = build_logits("gap_at_end", 2049, 3)
+    probs, _ = gpu_draws(z, None, np.array([0.5]))
+    u = np.array(sorted(below_total(probs) | {0.0}))[:6]
+    probs, got = gpu_draws(z, None, u, SimDevice(checks=True))
+    assert_reference_draws(probs, u, got, "cuda-sim (checked)")
