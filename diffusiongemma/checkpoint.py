@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from diffusiongemma.reference.errors import CheckpointError
+from diffusiongemma.reference.support.errors import CheckpointError
 
 SHIPPED_MODEL = "tiny-kjv"
 
@@ -117,7 +117,7 @@ def load_text_side(path: str) -> TextSide:
         if not os.path.isfile(os.path.join(beside, "tokenizer.json")):
             from diffusiongemma.weights_converter.gguf import gguf_text_side
 
-            return gguf_text_side(path)
+            return TextSide(*gguf_text_side(path))
         path = beside
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):

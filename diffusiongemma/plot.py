@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from diffusiongemma.reference.errors import InputError
+from diffusiongemma.reference.support.errors import InputError
 
 __all__ = ["CanvasRecord", "DenoisingRecord", "DenoisingLog", "load_record", "entropy_heatmap",
            "acceptance_heatmap", "commit_order", "accepted_per_step", "temperature_schedule", "summary",

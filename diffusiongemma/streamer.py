@@ -30,7 +30,7 @@ import time
 import unicodedata
 from typing import Any
 
-from diffusiongemma.reference.errors import InputError
+from diffusiongemma.reference.support.errors import InputError
 
 __all__ = ["StreamerCallback", "TextStreamer", "TextDiffusionStreamer"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from diffusiongemma.reference.errors import InputError
+from diffusiongemma.reference.support.errors import InputError
 from diffusiongemma.reference.noising import NoiseDraws
 
 __all__ = ["TorchCPUGenerator"]

@@ -99,7 +99,7 @@ def run_forward(golden, model, out_path: str) -> None:
     """Teacher-forced forward passes on the golden inputs, written with ``write_trace_plain``."""
     import numpy as np
 
-    from diffusiongemma.reference.observer import Observer
+    from diffusiongemma.reference.support.observer import Observer
 
     names = set(golden.names)
     ids = golden.get("prompt.input_ids")
@@ -190,7 +190,7 @@ class _LogitsOnly:
 
 def run_loop(golden, model, out_path: str) -> None:
     """The generation loop replaying the golden draws, recorded by the library's TraceRecorder."""
-    from diffusiongemma.reference.draws import ReplayDraws
+    from diffusiongemma.reference.support.replay import ReplayDraws
     from diffusiongemma.reference.generate import generate
     from diffusiongemma.reference.generation_config import GenerationConfig
     from diffusiongemma.trace import TraceRecorder

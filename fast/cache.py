@@ -24,7 +24,7 @@ import numpy as np
 
 from diffusiongemma.reference.cache import KVCache as ReferenceKVCache
 from diffusiongemma.reference.config import ModelConfig
-from diffusiongemma.reference.errors import InputError
+from diffusiongemma.reference.support.errors import InputError
 
 __all__ = ["KVCache", "HostArrays", "HOST"]
 

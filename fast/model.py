@@ -31,17 +31,19 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
 from diffusiongemma.reference.config import ModelConfig
-from diffusiongemma.reference.errors import ConfigError, InputError
-from diffusiongemma.reference.model import (check_attention_mask, check_denoise_inputs, check_positions,
-                                            check_token_ids, non_finite_error)
-from diffusiongemma.reference.observer import NULL_OBSERVER
+from diffusiongemma.reference.generate import ReferenceBackend
+from diffusiongemma.reference.support.errors import ConfigError, InputError
+from diffusiongemma.reference.support.checks import (check_attention_mask, check_denoise_inputs, check_positions,
+                                                     check_token_ids)
+from diffusiongemma.reference.support.diagnosis import non_finite_error
+from diffusiongemma.reference.support.observer import NULL_OBSERVER
 from diffusiongemma.reference.primitives import rope_inverse_frequencies
-from diffusiongemma.reference.weights import check_tensors, load_checkpoint
+from diffusiongemma.reference.support.checkpoint_io import check_tensors, load_checkpoint
 
 from . import _kernels
 from .attention import attend
@@ -156,10 +158,13 @@ class Model:
         """
         return KVCache(self.config, batch_size, capacity)
 
-    def denoising_backend(self, draws, batch_size: int, denoiser=None, observer=NULL_OBSERVER) -> CpuBackend:
+    def denoising_backend(self, draws, batch_size: int, denoiser=None, observer=NULL_OBSERVER) -> Any:
         """The per-step compute the generation loop (``reference.generate.generate``) runs this model with:
-        the fused decoder buffer and sampling pass (``fast.backend.CpuBackend``)."""
-        return CpuBackend(self, draws, batch_size, denoiser=denoiser, observer=observer)
+        the fused decoder buffer and sampling pass (``fast.backend.CpuBackend``), or, for a replaced
+        ``denoiser``, the reference's step."""
+        if denoiser is not None:
+            return ReferenceBackend(denoiser, draws, self.config.vocab_size, batch_size, observer=observer)
+        return CpuBackend(self, draws, batch_size, observer=observer)
 
     # ------------------------------------------------------------------ input checks (the reference's)
     def _check_cache(self, cache: KVCache) -> KVCache:

@@ -28,7 +28,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from diffusiongemma.reference.sampling import entropy_bound_accept, raise_for_logit_flags, renoise
+from diffusiongemma.reference.sampling import entropy_bound_accept, renoise
+from diffusiongemma.reference.support.logits import raise_for_logit_flags
 
 from . import _kernels
 

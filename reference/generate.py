@@ -36,20 +36,19 @@ from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
 import numpy as np
 
-from .draws import DrawSource, as_draw_source
-from .errors import ConfigError, InputError
+from .draws import DrawSource
 from .generation_config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
-from .observer import NULL_OBSERVER, CanvasInfo, GenerationCallback, Observer, StepInfo, notify, readonly
-from .sampling import (StableAndConfident, argmax_tokens, check_logits, entropy_bound_accept, finalize_canvas,
-                       freeze_rows, renoise, scale_logits, softmax_and_entropy, tokens_per_forward)
-from .semantics import (Semantics, committed_tokens, finalize_variant, get_semantics, make_stopper,
-                        schedule_temperature, variant_backend, variant_cache)
+from .sampling import argmax_tokens, freeze_rows, scale_logits, softmax_and_entropy, tokens_per_forward
+from .stages import TRANSFORMERS, Semantics, get_semantics
+from .support.checks import (as_draw_source, check_budget, check_cache, check_prompt, check_special_ids,
+                             check_start_canvas, check_start_sc_logits, resolve_config, run_denoiser)
+from .support.errors import ConfigError, InputError
+from .support.logits import check_logits
+from .support.observer import NULL_OBSERVER, CanvasInfo, GenerationCallback, Observer, StepInfo, notify, readonly
 
 __all__ = ["GenerationConfig", "GenerationResult", "GenerationCallback", "StepInfo", "CanvasInfo", "generate",
-           "DenoisingBackend", "StepOutput", "ReferenceBackend", "run_denoiser", "resolve_config",
-           "check_special_ids", "check_prompt", "check_start_canvas", "check_start_sc_logits", "new_token_budget",
-           "check_budget", "run_memory_bytes", "available_memory",
-           "STOP_EOS", "STOP_MAX_LENGTH", "STOP_MAX_NEW_TOKENS"]
+           "DenoisingBackend", "StepOutput", "HostAcceptance", "ReferenceBackend", "self_conditioning_input",
+           "new_token_budget", "STOP_EOS", "STOP_MAX_LENGTH", "STOP_MAX_NEW_TOKENS"]
 
 # Why a row stopped (``GenerationResult.stop_reasons``).
 STOP_EOS = "eos"  # an EOS id appeared in a committed canvas
@@ -76,54 +75,82 @@ Encoder = Callable[[np.ndarray, Any, "np.ndarray | None"], Any]
 
 class StepOutput(NamedTuple):
     """What a backend's denoising step gives the loop, each (B, C). Rows that had already finished denoising
-    may hold anything (the loop keeps their frozen values), except ``sampled``, which is reported as is."""
+    may hold anything: the loop replaces them with their frozen values (``sampled`` with the frozen canvas)."""
 
     draft: np.ndarray  # int64 argmax of the processed logits (SPEC §8.2 e)
-    sampled: np.ndarray  # int64 categorical draws from softmax(processed logits) (d)
+    sampled: np.ndarray  # int64 proposed tokens: categorical draws from softmax(processed logits) (d)
     entropies: np.ndarray  # float32 entropy (nats) of softmax(processed logits) (f)
+    confidence: "np.ndarray | None" = None  # float32 p(sampled), for samplers that rank by it (variants)
 
 
 class DenoisingBackend(Protocol):
     """The per-step compute of one backend, on its own arrays. The loop owns everything else.
 
-    ``begin_canvas(cache, sc_logits)``: a canvas starts; ``sc_logits`` (B, C, V) float32 is the caller's
-        self-conditioning input for its first step, or None (no self-conditioning).
+    ``begin_canvas(cache, sc_logits, canvas)``: a canvas starts from ``canvas`` (B, C) int64; ``sc_logits``
+        (B, C, V) float32 is the caller's self-conditioning input for its first step, or None.
     ``step(canvas, finished, temp)``: one denoising step (SPEC §8.2 b-e) for canvas (B, C) int64; rows with
         ``finished`` (B,) bool stopped denoising earlier and keep their self-conditioning input; ``temp`` is
         the step's float32 temperature or None. Makes the categorical draw from the run's draw source (the
         only draw of the step before renoising). Returns a ``StepOutput``. Raises ``SamplingError`` for
-        logits that cannot define a distribution, naming the stage (``sampling.check_logits``' message).
-    ``accept_and_renoise(entropies, sampled, noise, bound)``: (f, g) -> (accepted (B, C) bool, next canvas
-        (B, C) int64).
+        logits that cannot define a distribution, naming the stage (``support.logits.check_logits``).
+    ``accept_and_renoise(step, canvas, noise, bound)``: (f, g) for the ``StepOutput`` of that step and the
+        canvas it read -> (accepted (B, C) bool, next canvas (B, C) int64).
+    ``revealed_all()``: (B,) bool rows whose acceptance stage ended them by itself (a peer's sampler that
+        reveals every position); the spec's entropy bound never does.
     ``context()``: a context manager the whole run executes in (a GPU's device context).
     """
 
-    def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None) -> None: ...
+    def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None, canvas: np.ndarray) -> None: ...
 
     def step(self, canvas: np.ndarray, finished: np.ndarray, temp: np.float32 | None) -> StepOutput: ...
 
-    def accept_and_renoise(self, entropies: np.ndarray, sampled: np.ndarray, noise: np.ndarray,
+    def accept_and_renoise(self, step: StepOutput, canvas: np.ndarray, noise: np.ndarray,
                            bound: float) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def revealed_all(self) -> np.ndarray: ...
 
     def context(self) -> Any: ...
 
 
-class ReferenceBackend:
-    """The specification of a denoising step: a decoder pass, then each sampler stage of ``sampling.py`` as
-    one full (B, C, V) array operation. Every row is decoded, also rows that finished denoising (as
-    transformers does); the loop discards their results.
+class HostAcceptance:
+    """Acceptance and renoising on host arrays, through the run's acceptance stage (SPEC §8.2 f, g): the one
+    implementation every backend uses, unless it has its own kernel for the spec's stage (the GPU).
+
+    Set ``self.acceptor`` (``semantics.sampler.start(N, threshold)``) and ``self.B`` before use.
+    """
+
+    acceptor: Any
+    B: int
+
+    def accept_and_renoise(self, step: StepOutput, canvas: np.ndarray, noise: np.ndarray,
+                           bound: float) -> tuple[np.ndarray, np.ndarray]:
+        return self.acceptor(step, canvas, noise, bound)
+
+    def revealed_all(self) -> np.ndarray:
+        return self.acceptor.revealed_all(self.B)
+
+
+class ReferenceBackend(HostAcceptance):
+    """The specification of a denoising step: a decoder pass, then each sampler stage as one full (B, C, V)
+    array operation. Every row is decoded, also rows that finished denoising (as transformers does); the
+    loop discards their results.
 
     denoise: (canvas (B, C) int64, cache, sc_logits (B, C, V) float32 or None) -> soft-capped logits
         (B, C, V) float32 (``model.denoise`` or a replacement); its inputs are read-only.
-    draws: the run's ``DrawSource``. observer: receives the logits of every step. context: returns the
-        context manager the run executes in (default: none).
+    draws: the run's ``DrawSource``. semantics: the run's stages (``stages.Semantics``): the proposal
+        (``denoiser_draw``), the self-conditioning input (``sc_temperature``) and the acceptance
+        (``sampler``). observer: receives the logits of every step. context: returns the context manager the
+        run executes in (default: none).
     The self-conditioning input of the next step is this step's processed (temperature-scaled) logits; a
     row that had finished keeps its previous input (SPEC §7.1, §8.2 h).
     """
 
-    def __init__(self, denoise: Denoiser, draws: DrawSource, vocab_size: int, observer: Observer = NULL_OBSERVER,
+    def __init__(self, denoise: Denoiser, draws: DrawSource, vocab_size: int, batch_size: int,
+                 semantics: Semantics = TRANSFORMERS, max_steps: int = 1, observer: Observer = NULL_OBSERVER,
                  context: Callable[[], Any] = contextlib.nullcontext):
-        self.denoise, self.draws, self.V, self.observer = denoise, draws, int(vocab_size), observer
+        self.denoise, self.draws, self.V, self.B, self.observer = denoise, draws, int(vocab_size), int(batch_size), observer
+        self.propose, self.sc_input = semantics.denoiser_draw, semantics.sc_temperature
+        self.acceptor = semantics.sampler.start(max_steps, semantics.threshold)
         self._context = context  # what the run executes in (a GPU model's device context for a host denoiser)
         self.cache: Any = None
         self.sc_logits: np.ndarray | None = None  # (B, C, V) float32 next step's self-conditioning input
@@ -131,8 +158,9 @@ class ReferenceBackend:
     def context(self) -> Any:
         return self._context()
 
-    def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None) -> None:
+    def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None, canvas: np.ndarray) -> None:
         self.cache, self.sc_logits = cache, sc_logits
+        self.acceptor.begin_canvas(canvas)
 
     def step(self, canvas: np.ndarray, finished: np.ndarray, temp: np.float32 | None) -> StepOutput:
         B, C = canvas.shape
@@ -143,58 +171,43 @@ class ReferenceBackend:
         if temp is not None:
             check_logits(processed, f"logits divided by temperature {float(temp)!r}")
         probs, entropies = softmax_and_entropy(processed)  # (d, f) (B, C, V), (B, C)
-        sampled = self.draws.categorical(probs)  # (d) (B, C)
         draft = argmax_tokens(processed)  # (e)
-        if finished.any():  # (h) a row that stopped keeps its self-conditioning input
-            processed[finished] = self.sc_logits[finished]
-        self.sc_logits = processed  # (j)
-        return StepOutput(draft, sampled, entropies)
-
-    def accept_and_renoise(self, entropies: np.ndarray, sampled: np.ndarray, noise: np.ndarray,
-                           bound: float) -> tuple[np.ndarray, np.ndarray]:
-        accepted = entropy_bound_accept(entropies, bound)  # (f)
-        return accepted, renoise(sampled, accepted, noise)  # (g)
+        sampled = self.propose(self.draws, probs, draft)  # (d) (B, C)
+        confidence = np.take_along_axis(probs, sampled[..., None], axis=-1)[..., 0]  # p(sampled), (B, C)
+        self.sc_logits = self_conditioning_input(self.sc_input(logits, processed, temp), self.sc_logits,
+                                                 finished)  # (h, j)
+        return StepOutput(draft, sampled, entropies, confidence)
 
 
-def run_denoiser(denoise: Denoiser, canvas: np.ndarray, cache: Any, sc_logits: np.ndarray | None,
-                 shape: tuple[int, int, int]) -> np.ndarray:
-    """Call a denoiser on read-only inputs and check what it returns: (B, C, V) float32 logits."""
-    logits = denoise(readonly(canvas), cache, None if sc_logits is None else readonly(sc_logits))
-    logits = np.asarray(logits)
-    if logits.shape != shape:
-        raise InputError(f"the denoiser returned logits of shape {logits.shape}, expected {shape}")
-    if logits.dtype != np.float32:
-        raise InputError(f"the denoiser returned {logits.dtype} logits, expected float32")
-    return logits
+def self_conditioning_input(new: np.ndarray, previous: np.ndarray | None, finished: np.ndarray) -> np.ndarray:
+    """The next step's self-conditioning input (B, C, V): this step's, except that a row that had finished
+    keeps its previous input (SPEC §8.2 h, j). Every backend that keeps host logits calls this."""
+    return new if previous is None or not finished.any() else freeze_rows(finished, new, previous)
 
 
 def make_backend(model: Any, draws: DrawSource, batch_size: int, denoiser: Denoiser | None, observer: Observer,
-                 options: Mapping[str, Any]) -> DenoisingBackend:
-    """The model's own backend (``model.denoising_backend``) when it has one, else ``ReferenceBackend`` over
-    ``denoiser`` or ``model.denoise`` (a ``denoise`` that takes ``observer`` gets the run's observer)."""
-    own = getattr(model, "denoising_backend", None)
-    if own is not None:
-        return own(draws, batch_size, denoiser=denoiser, observer=observer, **options)
+                 semantics: Semantics, max_steps: int, options: Mapping[str, Any]) -> DenoisingBackend:
+    """The model's own backend (``model.denoising_backend``, declared by the model class) when the run's
+    stages are all the spec's inside a step; else ``ReferenceBackend`` over ``denoiser`` or ``model.denoise``
+    (a model whose ``denoise`` reports to an observer, ``DENOISE_REPORTS = True``, gets the run's observer,
+    and the run's window stage)."""
+    own = getattr(type(model), "denoising_backend", None)
+    if own is not None and semantics.runs_on_any_backend:
+        return model.denoising_backend(draws, batch_size, denoiser=denoiser, observer=observer, **options)
     if options:
-        raise InputError(f"backend_options {sorted(options)} given, but {type(model).__name__} has no backend "
-                         "of its own to pass them to")
-    if denoiser is None:
-        denoise = model.denoise
-        if _takes(denoise, "observer"):
-            def denoise(canvas, cache, sc_logits, _denoise=model.denoise):
-                return _denoise(canvas, cache, sc_logits, observer=observer)
-    else:
+        raise InputError(f"backend_options {sorted(options)} given, but this run uses the reference's step "
+                         f"({type(model).__name__} has no backend of its own for semantics {semantics.name!r})")
+    if denoiser is not None:
         denoise = denoiser
-    return ReferenceBackend(denoise, draws, int(model.config.vocab_size), observer)
-
-
-def _takes(function: Any, name: str) -> bool:
-    import inspect
-
-    try:
-        return name in inspect.signature(function).parameters
-    except (TypeError, ValueError):
-        return False
+    elif getattr(type(model), "DENOISE_REPORTS", False):
+        def denoise(canvas, cache, sc_logits, _denoise=model.denoise, _window=semantics.canvas_window):
+            return _denoise(canvas, cache, sc_logits, observer=observer, canvas_window=_window.keys)
+    elif semantics.canvas_window == TRANSFORMERS.canvas_window:
+        denoise = model.denoise
+    else:
+        raise ConfigError(f"semantics {semantics.name!r} needs canvas_window={semantics.canvas_window.name!r}, "
+                          f"which {type(model).__name__}.denoise does not take (the reference Model does)")
+    return ReferenceBackend(denoise, draws, int(model.config.vocab_size), batch_size, semantics, max_steps, observer)
 
 
 # ================================================================================================ the loop
@@ -257,7 +270,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     ``draws.ReplayError`` when a replayed recording does not fit.
     """
     config = resolve_config(model, generation_config, overrides)
-    variant = get_semantics(semantics)
+    semantics = get_semantics(semantics)
     V, C = int(model.config.vocab_size), int(model.config.canvas_length)
     check_special_ids(config, V)
     ids, mask = check_prompt(input_ids, attention_mask, V)
@@ -268,22 +281,20 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     draws = as_draw_source(random)
     observer.begin_run(model.config, config, ids, mask, draws=draws)
     draws = observer.record_draws(draws)
-    backend = (make_backend(model, draws, B, denoiser, observer, dict(backend_options or {})) if variant.is_default
-               else variant_backend(variant, model, draws, denoiser, observer, config.max_denoising_steps))
+    backend = make_backend(model, draws, B, denoiser, observer, semantics, config.max_denoising_steps,
+                           dict(backend_options or {}))
     encode = encoder if encoder is not None else model.encode
 
     with backend.context():
-        cache = check_cache((model.new_cache(B) if variant.is_default else variant_cache(variant, model, B))
-                            if cache is None else cache, B)
+        cache = check_cache(semantics.canvas_window.new_cache(model, B) if cache is None else cache, B)
         context_length = P + int(cache.length)  # transformers' cur_len
         n_canvases = math.ceil(new_token_budget(config, context_length) / C)
         check_budget(model.config, ids, mask, cache, n_canvases)  # refuse what cannot fit, before any work
         if hasattr(cache, "reserve"):  # a preallocated cache sizes itself once for the whole run
             cache.reserve(context_length + n_canvases * C)
-        stopper = (StableAndConfident(config.stability_threshold, config.confidence_threshold)
+        stopper = (semantics.stop_history.make(config.stability_threshold, config.confidence_threshold,
+                                               semantics.stop_comparison)
                    if config.uses_adaptive_stopping else None)
-        if not variant.is_default:
-            stopper = make_stopper(variant, config.stability_threshold, config.confidence_threshold)
 
         sequences = ids.copy()  # (B, P), grows by C per canvas
         ended = np.zeros(B, dtype=bool)  # transformers' finished_sequences
@@ -300,13 +311,13 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
             initial = draws.canvas_ids(B, C, V)  # always drawn, even when a starting canvas is given (T14)
             canvas = start_canvas if (k == 0 and start_canvas is not None) else initial
             observer.begin_canvas(canvas)
-            backend.begin_canvas(cache, start_sc if k == 0 else None)  # later canvases: no SC (T11)
+            backend.begin_canvas(cache, start_sc if k == 0 else None, canvas)  # later canvases: no SC (T11)
             draft, steps = denoise_canvas(k, canvas, backend, draws, stopper, config, ended, forward_passes,
-                                          callback, observer, n_canvases, V, semantics=variant)
+                                          callback, observer, n_canvases, V, semantics)
             steps_per_canvas.append(steps)
 
             sequences, tokens, ended = commit_canvas(k, draft, steps, sequences, ended, stop_reasons, config,
-                                                     callback, n_canvases, semantics=variant)
+                                                     callback, n_canvases, semantics)
             observer.commit(tokens, ended)
             if ended.all():
                 break
@@ -329,14 +340,13 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
 
 
 def denoise_canvas(k: int, canvas: np.ndarray, backend: DenoisingBackend, draws: DrawSource,
-                   stopper: StableAndConfident | None, config: GenerationConfig, ended: np.ndarray,
-                   forward_passes: np.ndarray, callback: Any, observer: Observer, n_canvases: int,
-                   V: int, semantics: Semantics | None = None) -> tuple[np.ndarray, int]:
-    """Run the denoising steps of canvas ``k``; return its draft (B, C) int64 and the steps executed.
+                   stopper: Any, config: GenerationConfig, ended: np.ndarray, forward_passes: np.ndarray,
+                   callback: Any, observer: Observer, n_canvases: int, V: int,
+                   semantics: Semantics = TRANSFORMERS) -> tuple[np.ndarray, int]:
+    """Run the denoising steps of canvas ``k``; return what it commits (B, C) int64 and the steps executed.
 
     ``forward_passes`` (B,) is incremented in place. The letters refer to SPEC §8.2 step 3.
     """
-    variant = get_semantics(semantics)
     B, C = canvas.shape
     N = config.max_denoising_steps
     draft = canvas  # transformers starts the draft as the initial canvas (overwritten by step 1)
@@ -348,61 +358,51 @@ def denoise_canvas(k: int, canvas: np.ndarray, backend: DenoisingBackend, draws:
     for step_index, step in enumerate(range(N, 0, -1)):
         forward_passes += ~(finished | ended)  # (a) counted before the pass, for live rows only
         observer.begin_step(~finished)
-        temp = (schedule_temperature(step, N, config.t_min, config.t_max, variant.temperature)
-                if config.uses_temperature else None)
+        temp = semantics.temperature(step, N, config.t_min, config.t_max) if config.uses_temperature else None
         out = backend.step(canvas, finished, temp)  # (b)-(e)
         noise = draws.renoise_ids(B, C, V)  # (g) drawn after the categorical draw
-        accepted, next_canvas = backend.accept_and_renoise(out.entropies, out.sampled, noise,
-                                                           config.entropy_bound)  # (f, g)
-        new_draft, step_entropies = out.draft, out.entropies
-        if finished.any():  # (h) rows that stopped keep their state while the others go on
-            new_draft = freeze_rows(finished, new_draft, draft)
-            next_canvas = freeze_rows(finished, next_canvas, canvas)
-            step_entropies = freeze_rows(finished, step_entropies, entropies)
-            accepted = accepted & ~finished[:, None]
+        accepted, next_canvas = backend.accept_and_renoise(out, canvas, noise, config.entropy_bound)  # (f, g)
+        # (h) rows that stopped keep their state while the others go on; their draw is not reported
+        new_draft = freeze_rows(finished, out.draft, draft)
+        next_canvas = freeze_rows(finished, next_canvas, canvas)
+        sampled = freeze_rows(finished, out.sampled, canvas)
+        step_entropies = freeze_rows(finished, out.entropies, entropies)
+        accepted = accepted & ~finished[:, None]
         if stopper is not None:
-            finished = finished | (stopper(new_draft, step_entropies) if variant.is_default  # (i)
-                                   else stopper(new_draft, step_entropies, input_canvas=canvas))
-        revealed = getattr(backend, "all_revealed", None)  # a variant sampler's own stop (mlx-vlm)
-        if revealed is not None:
-            finished = finished | revealed
+            finished = finished | stopper(new_draft, step_entropies, canvas)  # (i)
+        finished = finished | backend.revealed_all()  # a peer's sampler may end a row itself (mlx-vlm)
 
         canvas, draft, entropies = next_canvas, new_draft, step_entropies  # (j)
-        observer.end_step(temperature=temp, draft=draft, sampled=out.sampled, entropies=entropies,
+        observer.end_step(temperature=temp, draft=draft, sampled=sampled, entropies=entropies,
                           accepted=accepted, canvas=canvas, finished=finished)
         notify(callback, "on_step", StepInfo(
             canvas_index=k, step=step, step_index=step_index,
             temperature=None if temp is None else float(temp), draft=readonly(draft),
-            sampled=readonly(out.sampled), accepted=readonly(accepted), canvas=readonly(canvas),
+            sampled=readonly(sampled), accepted=readonly(accepted), canvas=readonly(canvas),
             entropies=readonly(entropies), finished=readonly(finished.copy()), max_steps=N,
             n_canvases=n_canvases))
         if finished.all():  # (k) only reachable with adaptive stopping
             break
-    if not variant.is_default:  # the variant's commit rule (semantics.committed_tokens)
-        draft = committed_tokens(variant.commit, draft, canvas, finished)
-    return draft, step_index + 1
+    return semantics.commit(draft, canvas, finished), step_index + 1  # SPEC §8.2 step 4: the draft
 
 
 def commit_canvas(k: int, draft: np.ndarray, steps: int, sequences: np.ndarray, ended: np.ndarray,
-                  stop_reasons: list, config: GenerationConfig, callback: Any,
-                  n_canvases: int = 0, semantics: Semantics | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  stop_reasons: list, config: GenerationConfig, callback: Any, n_canvases: int = 0,
+                  semantics: Semantics = TRANSFORMERS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Commit canvas ``k``'s draft (SPEC §8.2 steps 4-5) and report it to the callback.
 
-    draft: (B, C) int64 argmax canvas; sequences: (B, T) int64 so far; ended: (B,) bool rows already over;
-    stop_reasons: (B,) list, filled in place for rows that end here. Applies the EOS/pad rules
-    (``finalize_canvas``), plus transformers' MaxLengthCriteria when the user set ``max_length`` (it compares
-    the output's columns, the cache not counted). Returns (sequences with the C new columns, the committed
-    tokens (B, C), the new ended flags (B,)).
+    draft: (B, C) int64 committed canvas; sequences: (B, T) int64 so far; ended: (B,) bool rows already over;
+    stop_reasons: (B,) list, filled in place for rows that end here. Applies the EOS/pad rules (the spec's:
+    ``sampling.finalize_canvas``), plus transformers' MaxLengthCriteria when the user set ``max_length`` (it
+    compares the output's columns, the cache not counted). Returns (sequences with the C new columns, the
+    committed tokens (B, C), the new ended flags (B,)).
     """
     B, C = draft.shape
     reached_max_length = None
     if config.max_length is not None:
         reached_max_length = np.full(B, sequences.shape[1] + C >= config.max_length)
-    eos_rule = get_semantics(semantics).eos
-    tokens, now_ended = (finalize_canvas(draft, ended, config.eos_token_id, config.pad_token_id, reached_max_length)
-                         if eos_rule == "transformers" else
-                         finalize_variant(eos_rule, draft, ended, config.eos_token_id, config.pad_token_id,
-                                          reached_max_length))
+    tokens, now_ended = semantics.eos.finalize(draft, ended, config.eos_token_id, config.pad_token_id,
+                                               reached_max_length)
     has_eos = np.isin(draft, config.eos_token_id).any(axis=1) if config.eos_token_id else np.zeros(B, dtype=bool)
     for b in np.flatnonzero(now_ended & ~ended):
         stop_reasons[b] = {"reason": STOP_EOS if has_eos[b] else STOP_MAX_LENGTH, "canvas": k}
@@ -411,74 +411,7 @@ def commit_canvas(k: int, draft: np.ndarray, steps: int, sequences: np.ndarray, 
     return sequences, tokens, now_ended
 
 
-# ================================================================================================ input checks
-def resolve_config(model: Any, config: GenerationConfig | None, overrides: Mapping[str, Any]) -> GenerationConfig:
-    """Explicit config > ``model.generation_config`` > defaults; then keyword overrides (transformers' order)."""
-    if config is None:
-        config = getattr(model, "generation_config", None) or GenerationConfig()
-    if not isinstance(config, GenerationConfig):
-        raise ConfigError(f"generation_config must be a GenerationConfig, got {type(config).__name__}")
-    return config.replace(**overrides) if overrides else config
-
-
-def check_special_ids(config: GenerationConfig, vocab_size: int) -> None:
-    """Raise ``ConfigError`` when an EOS or pad id lies outside [0, vocab_size)."""
-    for name, ids in (("eos_token_id", config.eos_token_id),
-                      ("pad_token_id", () if config.pad_token_id is None else (config.pad_token_id,))):
-        for token in ids:
-            if token >= vocab_size:
-                raise ConfigError(f"{name} {token} is outside the vocabulary [0, {vocab_size})")
-
-
-def check_prompt(input_ids: Any, attention_mask: Any, vocab_size: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """Validate the prompt (B, P) int ids in [0, V), P >= 1, and its optional (B, P) 0/1 mask.
-
-    Returns (ids int64, mask int64 or None). Raises ``InputError`` naming the problem.
-    """
-    ids = np.asarray(input_ids)
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise InputError(f"input_ids must be a 2-D integer array (batch, tokens), got shape {ids.shape} "
-                         f"dtype {ids.dtype}")
-    if ids.shape[0] == 0 or ids.shape[1] == 0:
-        raise InputError(f"input_ids must hold at least one row and one token, got shape {ids.shape}")
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        bad = ids[(ids < 0) | (ids >= vocab_size)].ravel()[0]
-        raise InputError(f"input_ids holds token id {int(bad)} outside [0, vocab_size={vocab_size})")
-    if attention_mask is None:
-        return ids.astype(np.int64), None
-    mask = np.asarray(attention_mask)
-    if mask.shape != ids.shape:
-        raise InputError(f"attention_mask has shape {mask.shape}, expected {ids.shape} like input_ids")
-    if not np.isin(mask, (0, 1)).all():
-        raise InputError("attention_mask must hold only 0 and 1")
-    return ids.astype(np.int64), mask.astype(np.int64)
-
-
-def check_start_canvas(canvas: Any, B: int, C: int, V: int) -> np.ndarray | None:
-    """Validate a caller's first canvas (B, C) int ids in [0, V), or None. Raises ``InputError``."""
-    if canvas is None:
-        return None
-    canvas = np.asarray(canvas)
-    if canvas.shape != (B, C) or not np.issubdtype(canvas.dtype, np.integer):
-        raise InputError(f"decoder_input_ids must be an integer array of shape {(B, C)}, got {canvas.shape} "
-                         f"{canvas.dtype}")
-    if canvas.min() < 0 or canvas.max() >= V:
-        raise InputError(f"decoder_input_ids holds ids outside [0, vocab_size={V})")
-    return canvas.astype(np.int64)
-
-
-def check_start_sc_logits(logits: Any, B: int, C: int, V: int) -> np.ndarray | None:
-    """Validate a caller's first self-conditioning logits (B, C, V) float32, or None. Raises ``InputError``."""
-    if logits is None:
-        return None
-    logits = np.asarray(logits)
-    if logits.shape != (B, C, V) or logits.dtype != np.float32:
-        raise InputError(f"self_conditioning_logits must be float32 of shape {(B, C, V)}, got {logits.shape} "
-                         f"{logits.dtype}")
-    check_logits(logits, "self_conditioning_logits", InputError)  # NaN, +inf, a position with only -inf
-    return logits.copy()
-
-
+# ================================================================================================ lengths
 def new_token_budget(config: GenerationConfig, context_length: int) -> int:
     """transformers' ``_prepare_generated_length``: max_length wins only while max_new_tokens is 256."""
     if config.max_length is not None and config.max_new_tokens == DEFAULT_MAX_NEW_TOKENS:
@@ -490,82 +423,3 @@ def new_token_budget(config: GenerationConfig, context_length: int) -> int:
     return config.max_new_tokens
 
 
-def available_memory() -> int | None:
-    """Bytes of memory this process could still allocate (``MemAvailable`` on Linux), None when unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import os
-
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def run_memory_bytes(model_config: Any, batch_size: int, cached: int, total: int) -> int:
-    """Bytes a run adds: float32 keys and values for positions ``cached .. total - 1`` of every layer (a
-    sliding layer keeps at most ``sliding_window - 1``) plus four (B, C, V) float32 logit-sized buffers
-    (logits, processed logits, probabilities, self-conditioning input) of one denoising step."""
-    C, V = int(model_config.canvas_length), int(model_config.vocab_size)
-    per_position = 0  # bytes per (row, position) over the full layers
-    sliding = 0  # bytes per (row, retained position) over the sliding layers
-    for layer, (g, d) in enumerate(zip(model_config.layer_num_key_value_heads, model_config.layer_head_dim)):
-        if model_config.is_sliding(layer):
-            sliding += 2 * 4 * g * d
-        else:
-            per_position += 2 * 4 * g * d
-    window = int(model_config.sliding_window) - 1
-    grown = per_position * (total - cached) + sliding * max(0, min(total, window) - min(cached, window))
-    return batch_size * grown + 4 * 4 * batch_size * C * V
-
-
-def check_budget(model_config: Any, ids: np.ndarray, mask: np.ndarray | None, cache: Any, n_canvases: int) -> None:
-    """Refuse, before anything runs, a generation that cannot fit; ``InputError`` with the numbers.
-
-    * Positions: the cache (L), the prompt (P) and up to ``n_canvases`` canvases of C occupy positions
-      0 .. L + P + n_canvases * C - 1, which must stay below ``max_position_embeddings``.
-    * An ``attention_mask`` row of only zeros with an empty cache: that row has no real token.
-    * Memory, for a cache held in host memory (NumPy arrays): the keys/values the run adds and one
-      step's logit buffers (``run_memory_bytes``) must fit in ``available_memory()``.
-    Checks what ``model_config`` declares (a stand-in config without these fields skips them).
-    """
-    B, P = ids.shape
-    C = int(model_config.canvas_length)
-    L = int(cache.length)
-    end = L + P + n_canvases * C
-    limit = getattr(model_config, "max_position_embeddings", None)
-    if limit is not None and end > limit:
-        room = (limit - L - P) // C * C
-        raise InputError(f"this run needs positions 0..{end - 1} ({L} cached + {P} prompt + {n_canvases} "
-                         f"canvas(es) of {C}: max_new_tokens rounded up to whole canvases), but the model has "
-                         f"max_position_embeddings={limit}; at most {max(room, 0)} new tokens fit after this prompt")
-    if mask is not None and L == 0:
-        empty = np.flatnonzero(~np.asarray(mask).astype(bool).any(axis=1))
-        if empty.size:
-            raise InputError(f"attention_mask row {int(empty[0])} is all zeros: that row has no real token to "
-                             "generate from (give it at least one 1, or leave the row out)")
-    keys = getattr(cache, "keys", None)
-    host = isinstance(keys, list) and bool(keys) and isinstance(keys[0], np.ndarray)
-    if host and hasattr(model_config, "layer_head_dim"):
-        needed = run_memory_bytes(model_config, B, L, L + P + (n_canvases - 1) * C)
-        free = available_memory()
-        if free is not None and needed > free:
-            raise InputError(f"this run needs about {needed:,} bytes ({needed / 2 ** 30:.2f} GiB: KV cache and "
-                             f"logits for {n_canvases} canvas(es) of {C}, {B} row(s)) but {free:,} bytes "
-                             f"({free / 2 ** 30:.2f} GiB) of memory are available; lower max_new_tokens or the "
-                             "batch size")
-
-
-def check_cache(cache: Any, batch_size: int) -> Any:
-    """Refuse an object that is not a KV cache for ``batch_size`` rows (``InputError`` naming it)."""
-    length, rows = getattr(cache, "length", None), getattr(cache, "batch_size", batch_size)
-    if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
-        raise InputError(f"cache must be a KV cache made by model.new_cache(batch_size), got {type(cache).__name__}")
-    if rows != batch_size:
-        raise InputError(f"cache holds {rows} rows but input_ids has {batch_size}")
-    return cache

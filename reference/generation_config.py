@@ -2,30 +2,25 @@
 
 ``GenerationConfig`` mirrors transformers 5.24.0 ``DiffusionGemmaGenerationConfig`` for the text path (SPEC
 §8): the token budget, the denoising-step count and temperature schedule, the entropy bound of the sampler,
-the stable-and-confident stopping rule, and the EOS/pad ids. It reads and writes ``generation_config.json``.
+the stable-and-confident stopping rule, and the EOS/pad ids. Its fields are checked when it is built
+(``support/config_checks.py``); ``generation_config.json`` is read by ``support/config_io.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import numbers
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-import numpy as np
-
-from .errors import ConfigError
+from .support import config_io
+from .support.config_checks import check_integer, check_real, check_token_id_list
+from .support.errors import ConfigError
 
 __all__ = ["GenerationConfig", "DEFAULT_MAX_NEW_TOKENS", "SAMPLER_CLASS_NAME"]
 
 DEFAULT_MAX_NEW_TOKENS = 256  # transformers lets max_length take over only while max_new_tokens has this value
-SAMPLER_CLASS_NAME = "EntropyBoundSamplerConfig"  # the only sampler transformers knows
-# generation_config.json keys that transformers accepts but that do not change the text-only reference loop.
-_IGNORED_KEYS = frozenset({"return_dict_in_generate", "cache_config", "disable_compile", "bos_token_id",
-                           "_commit_hash", "_from_model_config", "transformers_version"})
+SAMPLER_CLASS_NAME = config_io.SAMPLER_CLASS_NAME  # "EntropyBoundSamplerConfig", the only sampler transformers knows
 
 
 # ================================================================================================ configuration
@@ -53,20 +48,20 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
-        set_("max_new_tokens", _integer("max_new_tokens", self.max_new_tokens, minimum=1))
-        set_("max_length", _integer("max_length", self.max_length, minimum=1, optional=True))
-        set_("max_denoising_steps", _integer("max_denoising_steps", self.max_denoising_steps, minimum=1))
-        set_("entropy_bound", _real("entropy_bound", self.entropy_bound, positive=True))
-        set_("t_min", _real("t_min", self.t_min, positive=False, optional=True))
-        set_("t_max", _real("t_max", self.t_max, positive=False, optional=True))
+        set_("max_new_tokens", check_integer("max_new_tokens", self.max_new_tokens, minimum=1))
+        set_("max_length", check_integer("max_length", self.max_length, minimum=1, optional=True))
+        set_("max_denoising_steps", check_integer("max_denoising_steps", self.max_denoising_steps, minimum=1))
+        set_("entropy_bound", check_real("entropy_bound", self.entropy_bound, positive=True))
+        set_("t_min", check_real("t_min", self.t_min, positive=False, optional=True))
+        set_("t_max", check_real("t_max", self.t_max, positive=False, optional=True))
         if self.t_min is not None and self.t_max is not None and not self.t_max > self.t_min:
             raise ConfigError(f"t_max ({self.t_max!r}) must be greater than t_min ({self.t_min!r})")
-        set_("stability_threshold", _integer("stability_threshold", self.stability_threshold, minimum=0,
+        set_("stability_threshold", check_integer("stability_threshold", self.stability_threshold, minimum=0,
                                              optional=True))
-        set_("confidence_threshold", _real("confidence_threshold", self.confidence_threshold, positive=True,
+        set_("confidence_threshold", check_real("confidence_threshold", self.confidence_threshold, positive=True,
                                            optional=True))
-        set_("eos_token_id", _token_ids("eos_token_id", self.eos_token_id))
-        set_("pad_token_id", _integer("pad_token_id", self.pad_token_id, minimum=0, optional=True))
+        set_("eos_token_id", check_token_id_list("eos_token_id", self.eos_token_id))
+        set_("pad_token_id", check_integer("pad_token_id", self.pad_token_id, minimum=0, optional=True))
 
     # -------------------------------------------------------------------------------------------- derived
     @property
@@ -90,36 +85,9 @@ class GenerationConfig:
     # -------------------------------------------------------------------------------------------- files
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "GenerationConfig":
-        """Read transformers' ``generation_config.json`` layout.
-
-        The entropy bound lives in ``sampler_config = {"_cls_name": "EntropyBoundSamplerConfig",
-        "entropy_bound": ...}``. A null value means "not set", so the default applies (transformers fills
-        unset fields from its global defaults). Keys transformers accepts but the reference does not need
-        (``return_dict_in_generate``, ``bos_token_id``, metadata...) are ignored; ``cache_implementation``
-        must be absent, null or "dynamic" (other caches change the numbers; SPEC §8.5). Any other key raises
-        ``ConfigError``, as transformers does.
-        """
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"a generation config must be a JSON object, got {type(data).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)} - {"entropy_bound"}
-        values: dict[str, Any] = {}
-        for key, value in data.items():
-            if key in _IGNORED_KEYS:
-                continue
-            if key == "cache_implementation":
-                if value not in (None, "dynamic"):
-                    raise ConfigError(f"cache_implementation {value!r} is not supported: the reference reproduces "
-                                      "the default dynamic cache only")
-            elif key == "sampler_config":
-                bound = _sampler_entropy_bound(value)
-                if bound is not None:
-                    values["entropy_bound"] = bound
-            elif key in names:
-                if value is not None:
-                    values[key] = value
-            else:
-                raise ConfigError(f"unknown generation_config key {key!r}")
-        return cls(**values)
+        """Read transformers' ``generation_config.json`` layout (``support/config_io.generation_config_fields``
+        says which keys are read, ignored or refused). Raises ``ConfigError`` naming the key."""
+        return cls(**config_io.generation_config_fields(data, [f.name for f in dataclasses.fields(cls)]))
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "GenerationConfig":
@@ -127,15 +95,7 @@ class GenerationConfig:
 
         Raises ``FileNotFoundError`` when the file is missing and ``ConfigError`` for invalid JSON or values.
         """
-        file = os.path.join(path, "generation_config.json") if os.path.isdir(path) else os.fspath(path)
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"no generation config at {file!r}")
-        try:
-            with open(file, encoding="utf-8") as f:
-                data = json.load(f)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{file!r} is not valid JSON: {error}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(config_io.read_generation_config_json(path))
 
     def to_dict(self) -> dict[str, Any]:
         """The transformers ``generation_config.json`` layout (``from_dict`` reads it back unchanged)."""
@@ -155,47 +115,3 @@ class GenerationConfig:
         return out
 
 
-def _sampler_entropy_bound(value: Any) -> float | None:
-    """The entropy bound inside a serialised ``sampler_config`` (None when unset)."""
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"sampler_config must be an object, got {value!r}")
-    cls_name = value.get("_cls_name", SAMPLER_CLASS_NAME)
-    if cls_name != SAMPLER_CLASS_NAME:
-        raise ConfigError(f"sampler_config._cls_name {cls_name!r} is not supported; only {SAMPLER_CLASS_NAME!r}")
-    unknown = sorted(set(value) - {"_cls_name", "entropy_bound"})
-    if unknown:
-        raise ConfigError(f"unknown sampler_config key(s) {unknown}")
-    return value.get("entropy_bound")
-
-
-def _integer(name: str, value: Any, minimum: int, optional: bool = False) -> int | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _real(name: str, value: Any, positive: bool, optional: bool = False) -> float | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {value!r}")
-    if positive and not value > 0:
-        raise ConfigError(f"{name} must be > 0, got {value!r}")
-    if not positive and value < 0:
-        raise ConfigError(f"{name} must be >= 0, got {value!r}")
-    return float(value)
-
-
-def _token_ids(name: str, value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    items = (value,) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
-    if isinstance(items, (str, bytes)) or not isinstance(items, (Sequence, np.ndarray)):
-        raise ConfigError(f"{name} must be an integer or a list of integers, got {value!r}")
-    return tuple(_integer(name, item, minimum=0) for item in items)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import InputError
+from .support.errors import InputError
 
 
 def encoder_visibility(query_positions: np.ndarray, key_positions: np.ndarray, key_is_real: np.ndarray,
@@ -34,19 +34,36 @@ def encoder_visibility(query_positions: np.ndarray, key_positions: np.ndarray, k
     return visible[None, :, :] & key_is_real[:, None, :]
 
 
-def decoder_visibility(cache_key_is_real: np.ndarray, canvas_length: int) -> np.ndarray:
+def decoder_visibility(cache_key_is_real: np.ndarray, canvas_length: int,
+                       window: np.ndarray | None = None) -> np.ndarray:
     """Bidirectional visibility of the canvas over ``[retained cache ++ canvas]``.
 
-    cache_key_is_real: (B, T_cache) bool, False for padded cache entries.
-    Returns (B, 1, T_cache + canvas_length) bool, the same for every canvas query: every real cached key
-    and every canvas key is visible. There is no causal mask and no per-query window; the sliding
-    window acts only through which entries a sliding layer's cache retains (``kv_cache``).
+    cache_key_is_real: (B, T_cache) bool, False for padded cache entries. window: None (a full layer) or
+    (C, T_cache) bool, the retained keys each canvas query sees in a sliding layer (``canvas_window``).
+    Returns (B, 1, T_cache + canvas_length) bool without a window, else (B, C, T_cache + C): every real
+    cached key the window shows and every canvas key is visible. There is no causal mask; for the spec's
+    window (all True) the sliding window acts only through which entries the cache retains (``cache.py``).
 
     Upstream: ``create_diffusion_decoder_attention_mask`` with a ``DynamicCache`` (SPEC §7.3, trap T6).
     """
     batch = cache_key_is_real.shape[0]
     canvas = np.ones((batch, canvas_length), dtype=bool)
-    return np.concatenate([cache_key_is_real, canvas], axis=1)[:, None, :]
+    visible = np.concatenate([cache_key_is_real, canvas], axis=1)[:, None, :]  # (B, 1, T + C)
+    if window is None:
+        return visible
+    return visible & np.concatenate([window, np.ones((canvas_length, canvas_length), dtype=bool)], axis=1)[None]
+
+
+def canvas_window(key_positions: np.ndarray, prompt_end: int, canvas_length: int, sliding_window: int) -> np.ndarray:
+    """Which keys a sliding layer's cache retains that each canvas query sees: all of them.
+
+    key_positions: (T,) absolute positions of the retained keys (the last W - 1 before the canvas, trap T5);
+    prompt_end: L, the first canvas position. Returns (C, T) bool, all True: the window acts only through
+    the entries the cache keeps, the same for every canvas query (SPEC §7.3). Other implementations narrow
+    this per query (``variants/window.py``).
+    Upstream: ``DynamicSlidingWindowLayer`` keeps W - 1 keys; ``create_diffusion_decoder_attention_mask``.
+    """
+    return np.ones((canvas_length, np.shape(key_positions)[0]), dtype=bool)
 
 
 def cache_retains(key_positions: np.ndarray, context_length: np.ndarray, sliding_window: int | None) -> np.ndarray:

@@ -30,7 +30,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InputError
+from .support.errors import InputError
+from .support.noising_checks import (check_int_vector, check_loss_inputs, check_noise_draws,
+                                     check_num_canvases, check_select_canvas, check_canvas_targets_1,
+                                     check_canvas_targets_2, check_encoder_input_1, check_encoder_input_2,
+                                     check_time_from_uniform, check_corrupt, check_self_conditioning_coin,
+                                     check_noise_batch, check_diffusion_loss, check_ar_loss_1, check_ar_loss_2)
 
 __all__ = [
     "EPS", "P_SELF_COND", "NoiseDraws", "NoisedBatch",
@@ -65,35 +70,11 @@ class NoiseDraws:
     u_sc: np.ndarray
 
     def __post_init__(self):
-        B = np.shape(self.u_blk)[0] if np.ndim(self.u_blk) == 1 else None
-        if B is None:
-            raise InputError(f"u_blk must be 1-D (B,), got shape {np.shape(self.u_blk)}")
-        C = np.shape(self.u_cor)[-1] if np.ndim(self.u_cor) == 2 else None
-        if C is None:
-            raise InputError(f"u_cor must be 2-D (B, C), got shape {np.shape(self.u_cor)}")
-        for name, shape in (("u_t", (B, 1)), ("u_cor", (B, C)), ("r", (B, C)), ("u_sc", (B,))):
-            if np.shape(getattr(self, name)) != shape:
-                raise InputError(f"{name} must have shape {shape}, got {np.shape(getattr(self, name))}")
-        for name in ("u_blk", "u_t", "u_cor", "u_sc"):
-            u = np.asarray(getattr(self, name))
-            if not (np.all(u >= 0) and np.all(u < 1)):  # also rejects NaN
-                raise InputError(f"{name} must lie in [0, 1), got values outside: {u[~((u >= 0) & (u < 1))]}")
-        if np.any(np.asarray(self.r) < 0):
-            raise InputError(f"r holds negative ids: {np.asarray(self.r)[np.asarray(self.r) < 0]}")
+        check_noise_draws(self)  # shapes (B,), (B, 1), (B, C) and uniforms in [0, 1)
 
 
 # ----------------------------------------------------------------------------------------------------
 # layout: which canvas, its targets, what the decoder sees
-
-
-def _int_vector(name: str, v, batch: int | None = None) -> np.ndarray:
-    """``v`` as an int64 (B,) array; InputError if it is not 1-D integral of the right length."""
-    a = np.asarray(v)
-    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-        raise InputError(f"{name} must be a 1-D integer array, got dtype {a.dtype} shape {a.shape}")
-    if batch is not None and a.shape[0] != batch:
-        raise InputError(f"{name} must have length {batch}, got {a.shape[0]}")
-    return a.astype(np.int64)
 
 
 def num_canvases(resp_len, canvas: int) -> np.ndarray:
@@ -102,11 +83,8 @@ def num_canvases(resp_len, canvas: int) -> np.ndarray:
     resp_len: int (B,) response lengths R >= 1; canvas: C >= 1. Returns int64 (B,).
     Raises InputError for R < 1 (an empty response has no canvas to score) or C < 1.
     """
-    R = _int_vector("resp_len", resp_len)
-    if canvas < 1:
-        raise InputError(f"canvas length must be >= 1, got {canvas}")
-    if np.any(R < 1):
-        raise InputError(f"every response needs at least one token, got lengths {R[R < 1].tolist()}")
+    R = check_int_vector("resp_len", resp_len)
+    check_num_canvases(canvas, R)
     return (R - 1) // canvas + 1
 
 
@@ -117,12 +95,9 @@ def select_canvas(u_blk, n) -> np.ndarray:
     uniform u. The product is rounded to float32 first, exactly as torch computes it; the clamp is only
     a guard (float32 u <= 1 - 2**-24 never rounds up to n for the n used in practice).
     """
-    n = _int_vector("n", n)
+    n = check_int_vector("n", n)
     u = np.asarray(u_blk, dtype=np.float32)
-    if u.shape != n.shape:
-        raise InputError(f"u_blk shape {u.shape} != n shape {n.shape}")
-    if np.any(n < 1):
-        raise InputError(f"n must be >= 1, got {n[n < 1].tolist()}")
+    check_select_canvas(u, n)
     k = (u * n.astype(np.float32)).astype(np.float32).astype(np.int64)  # float32 product, truncated
     return np.minimum(k, n - 1)
 
@@ -136,17 +111,13 @@ def canvas_targets(x, prompt_len, resp_len, k, canvas: int, eos_id: int = 1) -> 
     Raises InputError if a row is shorter than P + R or k is out of range.
     """
     x = np.asarray(x)
-    if x.ndim != 2:
-        raise InputError(f"x must be 2-D (B, S), got shape {x.shape}")
+    check_canvas_targets_1(x)
     B, S = x.shape
-    P = _int_vector("prompt_len", prompt_len, B)
-    R = _int_vector("resp_len", resp_len, B)
-    k = _int_vector("k", k, B)
+    P = check_int_vector("prompt_len", prompt_len, B)
+    R = check_int_vector("resp_len", resp_len, B)
+    k = check_int_vector("k", k, B)
     n = num_canvases(R, canvas)
-    if np.any(P < 0) or np.any(P + R > S):
-        raise InputError(f"prompt_len + resp_len must fit in S={S}: P={P.tolist()} R={R.tolist()}")
-    if np.any((k < 0) | (k >= n)):
-        raise InputError(f"canvas index k={k.tolist()} out of range for n={n.tolist()}")
+    check_canvas_targets_2(P, S, R, k, n)
     off = k[:, None] * canvas + np.arange(canvas)[None, :]  # (B, C) offsets into the response
     inside = off < R[:, None]
     col = np.where(inside, P[:, None] + off, 0)  # (B, C) columns of x (0 where filled)
@@ -162,13 +133,11 @@ def encoder_input(x, prompt_len, resp_len, canvas: int, eos_id: int = 1, append_
     max(P + nC) when that is longer.
     """
     x = np.asarray(x)
-    if x.ndim != 2:
-        raise InputError(f"x must be 2-D (B, S), got shape {x.shape}")
+    check_encoder_input_1(x)
     B, S = x.shape
-    P = _int_vector("prompt_len", prompt_len, B)
-    R = _int_vector("resp_len", resp_len, B)
-    if np.any(P + R > S):
-        raise InputError(f"prompt_len + resp_len must fit in S={S}: P={P.tolist()} R={R.tolist()}")
+    P = check_int_vector("prompt_len", prompt_len, B)
+    R = check_int_vector("resp_len", resp_len, B)
+    check_encoder_input_2(S, P, R)
     end = P + R
     if append_fill:
         end = P + num_canvases(R, canvas) * canvas
@@ -190,8 +159,7 @@ def time_from_uniform(u_t, eps: float = EPS) -> np.ndarray:
 
     u_t: float32 (B, 1) in [0, 1). Returns float32 (B, 1). JAX instead draws t ~ U[1e-4, 1 - 1e-4).
     """
-    if not (0.0 <= eps < 1.0):
-        raise InputError(f"eps must lie in [0, 1), got {eps}")
+    check_time_from_uniform(eps)
     u = np.asarray(u_t, dtype=np.float32)
     return (np.float32(eps) + np.float32(1.0 - eps) * u).astype(np.float32)
 
@@ -208,10 +176,7 @@ def corrupt(y, t, u_cor, r):
     u = np.asarray(u_cor, dtype=np.float32)
     r = np.asarray(r)
     t = np.asarray(t, dtype=np.float32)
-    if y.ndim != 2 or u.shape != y.shape or r.shape != y.shape:
-        raise InputError(f"y, u_cor, r must share one (B, C) shape, got {y.shape}, {u.shape}, {r.shape}")
-    if t.shape != (y.shape[0], 1):
-        raise InputError(f"t must have shape ({y.shape[0]}, 1), got {t.shape}")
+    check_corrupt(y, u, r, t)
     corrupted = u < t
     return np.where(corrupted, r, y).astype(np.int64), corrupted
 
@@ -222,8 +187,7 @@ def self_conditioning_coin(u_sc, p: float = P_SELF_COND) -> np.ndarray:
     Examples with s = False get a zero self-conditioning embedding in the second pass (HF's
     ``self_conditioning_mask``, as NeMo and TRL); JAX feeds zero logits instead (TRAINING.md §5).
     """
-    if not (0.0 <= p <= 1.0):
-        raise InputError(f"self-conditioning probability must lie in [0, 1], got {p}")
+    check_self_conditioning_coin(p)
     return np.asarray(u_sc, dtype=np.float32) < np.float32(p)
 
 
@@ -255,13 +219,12 @@ def noise_batch(x, prompt_len, resp_len, draws: NoiseDraws, vocab: int, eos_id: 
     given, replaces ``time_from_uniform(draws.u_t)`` (used by the worked example). Returns ``NoisedBatch``.
     """
     canvas = draws.u_cor.shape[1]
-    if np.any(np.asarray(draws.r) >= vocab):
-        raise InputError(f"replacement ids must be < vocab={vocab}, got max {int(np.max(draws.r))}")
+    check_noise_batch(vocab, draws)
     k = select_canvas(draws.u_blk, num_canvases(resp_len, canvas))
     y = canvas_targets(x, prompt_len, resp_len, k, canvas, eos_id)
     tt = time_from_uniform(draws.u_t, eps) if t is None else np.asarray(t, dtype=np.float32)
     noisy, corrupted = corrupt(y, tt, draws.u_cor, draws.r)
-    L = _int_vector("prompt_len", prompt_len) + k * canvas
+    L = check_int_vector("prompt_len", prompt_len) + k * canvas
     return NoisedBatch(k=k, context_len=L, positions=L[:, None] + np.arange(canvas)[None, :],
                        targets=y, t=tt, corrupted=corrupted, noisy=noisy,
                        self_cond=self_conditioning_coin(draws.u_sc, p_self_cond))
@@ -278,12 +241,7 @@ def cross_entropy(logits, targets) -> np.ndarray:
     """
     z = np.asarray(logits, dtype=np.float64)
     y = np.asarray(targets)
-    if z.shape[:-1] != y.shape:
-        raise InputError(f"logits shape {z.shape} does not match targets shape {y.shape}")
-    if not np.all(np.isfinite(z)):
-        raise InputError("logits contain NaN or inf")
-    if np.any((y < 0) | (y >= z.shape[-1])):
-        raise InputError(f"targets must lie in [0, {z.shape[-1]}), got {y[(y < 0) | (y >= z.shape[-1])]}")
+    check_loss_inputs(z, y)  # one finite logit row per target, targets in [0, V)
     m = z.max(axis=-1, keepdims=True)
     lse = (m + np.log(np.exp(z - m).sum(axis=-1, keepdims=True)))[..., 0]
     return lse - np.take_along_axis(z, y[..., None], axis=-1)[..., 0]
@@ -297,8 +255,7 @@ def diffusion_loss(logits, targets) -> float:
     then batch mean (JAX) equals this, since every canvas has exactly C scored positions.
     """
     ce = cross_entropy(logits, targets)
-    if ce.ndim != 2:
-        raise InputError(f"diffusion logits must be (B, C, V), got shape {np.shape(logits)}")
+    check_diffusion_loss(ce, logits)
     return float(ce.mean())
 
 
@@ -312,11 +269,9 @@ def ar_loss(logits, tokens, valid, reduction: str = "token") -> float:
     """
     v = np.asarray(valid) != 0
     tok = np.asarray(tokens)
-    if v.shape != tok.shape or tok.ndim != 2:
-        raise InputError(f"tokens {tok.shape} and valid {v.shape} must share one (B, S) shape")
+    check_ar_loss_1(v, tok)
     pair = v[:, :-1] & v[:, 1:]  # (B, S-1)
-    if not pair.any():
-        raise InputError("ar_loss: the batch has no valid next-token pair")
+    check_ar_loss_2(pair)
     ce = np.where(pair, cross_entropy(np.asarray(logits)[:, :-1], tok[:, 1:]), 0.0)
     if reduction == "token":
         return float(ce.sum() / pair.sum())

@@ -6,7 +6,7 @@ holds model state, and nothing here draws random numbers (the draws are inputs, 
 
 One denoising step of one canvas (B rows, C positions, vocabulary V), cur_step n = N, N-1, ..., 1:
 
-    z  (B, C, V) float32   soft-capped logits from the decoder              check_logits
+    z  (B, C, V) float32   soft-capped logits from the decoder (checked: support/logits.py)
     T_n = t_min + (t_max - t_min) * n / N   (float32; no schedule: z as is)  temperature
     ẑ = z / T_n   the "processed" logits                                       scale_logits
     p = softmax(ẑ),  H_j = entropy of position j (float32)                    softmax_and_entropy
@@ -45,16 +45,15 @@ Numerics, and where they can differ from torch in the last bit:
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
-from .errors import InputError, SamplingError
+from .support.errors import InputError, SamplingError
 
 __all__ = [
     "temperature",
     "scale_logits",
-    "check_logits",
     "softmax_and_entropy",
     "categorical_from_uniform",
     "argmax_tokens",
@@ -107,64 +106,6 @@ def scale_logits(logits: np.ndarray, temp: np.float32 | None) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------- distributions
-def check_logits(logits: np.ndarray, what: str = "logits", error: type = SamplingError) -> None:
-    """Refuse logits that cannot define a distribution, so that NaN never becomes a token.
-
-    logits: (B, C, V) float. Allowed: finite values and ``-inf`` (an excluded id). Raises
-    ``SamplingError`` (``bad_logits_error``) naming the first offending (row, position) for NaN, ``+inf``, or
-    a position whose logits are all ``-inf``. ``what`` names the array in the message; ``error`` is the
-    class raised (``InputError`` for a caller's self-conditioning input).
-    """
-    z = np.asarray(logits)
-    if np.isfinite(z).all():
-        return
-    for bad, reason in ((np.isnan(z).any(axis=-1), "NaN"),
-                        (np.isposinf(z).any(axis=-1), "+inf"),
-                        (np.isneginf(z).all(axis=-1), "no finite value (all -inf)")):
-        if bad.any():
-            raise bad_logits_error(what, tuple(int(i) for i in np.argwhere(bad)[0]), reason, error)
-
-
-def bad_logits_error(what: str, where: tuple, reason: str, error: type = SamplingError) -> Exception:
-    """The one error every backend raises for logits that cannot be sampled (the message names the stage,
-    the (row, position) and the reason: "NaN", "+inf" or "no finite value (all -inf)")."""
-    return error(f"{what} at (row, position) {where} hold {reason}; cannot sample a token")
-
-
-# Flag bits a compiled sampling pass sets per (row, position), so that it can report what ``check_logits``
-# reports without a second pass over the logits: NaN, +inf or all -inf after the division by T (1, 2, 4);
-# +inf or all -inf in the logits before it (8, 16).
-FLAG_NAN, FLAG_POSINF, FLAG_NO_FINITE, FLAG_RAW_POSINF, FLAG_RAW_NO_FINITE = 1, 2, 4, 8, 16
-
-
-def raise_for_logit_flags(flat_positions: np.ndarray, flags: np.ndarray, C: int, temp: np.float32 | None,
-                          error: type = SamplingError, what: str = "denoiser logits") -> None:
-    """Raise what ``check_logits`` raises, in its order, from the flags of a compiled sampling pass.
-
-    flat_positions: (n,) int flat indices b*C + c of the flagged rows' positions; flags: (n,) int bits above.
-    The reference checks the raw logits first (NaN, then +inf, then all -inf), then, with a temperature,
-    the processed ones; within a check the first (row, position) is named. ``what`` names the raw array.
-    Returns when nothing is flagged.
-    """
-    flags = np.asarray(flags)
-    if not flags.any():
-        return
-    order = np.argsort(flat_positions, kind="stable")
-    positions, flags = np.asarray(flat_positions)[order], flags[order]
-    stages = [(what, ((FLAG_NAN, "NaN"), (FLAG_RAW_POSINF, "+inf"),
-                                   (FLAG_RAW_NO_FINITE, "no finite value (all -inf)")))]
-    if temp is not None:
-        stages.append((f"logits divided by temperature {float(temp)!r}",
-                       ((FLAG_NAN, "NaN"), (FLAG_POSINF, "+inf"), (FLAG_NO_FINITE, "no finite value (all -inf)"))))
-    for what, checks in stages:
-        for bit, reason in checks:
-            hit = np.flatnonzero(flags & bit)
-            if hit.size:
-                flat = int(positions[hit[0]])
-                raise bad_logits_error(what, (flat // C, flat % C), reason, error)
-    raise bad_logits_error("logits", "flagged by the sampling kernel", "an unknown flag", error)
-
-
 def softmax_and_entropy(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Probabilities and entropy of each categorical distribution given by ``logits``.
 
@@ -310,7 +251,6 @@ def renoise(sampled: np.ndarray, accepted: np.ndarray, noise: np.ndarray) -> np.
     return np.where(accepted, sampled, noise).astype(np.int64)
 
 
-# ---------------------------------------------------------------------------------------------- stopping
 def freeze_rows(finished: np.ndarray, new: np.ndarray, old: np.ndarray) -> np.ndarray:
     """Rows whose denoising has finished keep their previous value: ``where(finished, old, new)``.
 
@@ -323,6 +263,7 @@ def freeze_rows(finished: np.ndarray, new: np.ndarray, old: np.ndarray) -> np.nd
     return np.where(mask, old, new)
 
 
+# ---------------------------------------------------------------------------------------------- stopping
 class StableAndConfident:
     """The adaptive stopping rule of a canvas: stop a row once its draft is stable *and* confident.
 
@@ -339,17 +280,20 @@ class StableAndConfident:
     Upstream: ``StableAndConfidentStoppingCriteria`` (the mean is a float32 reduction, see the module notes).
     """
 
-    def __init__(self, stability_threshold: int, confidence_threshold: float):
+    def __init__(self, stability_threshold: int, confidence_threshold: float, comparison: Any = np.less):
         self.stability_threshold = int(stability_threshold)
         self.confidence_threshold = np.float32(confidence_threshold)
+        self.comparison = comparison  # (mean entropy (B,), γ) -> (B,) bool: the spec's strict mean < γ
         self.history: np.ndarray | None = None  # (s, B, C) int64: the last s drafts, oldest first
 
     def reset(self) -> None:
         """Forget the drafts (start of a canvas)."""
         self.history = None
 
-    def __call__(self, draft: np.ndarray, entropies: np.ndarray) -> np.ndarray:
-        """draft: (B, C) int64, entropies: (B, C) float32 -> (B,) bool (stable and confident)."""
+    def __call__(self, draft: np.ndarray, entropies: np.ndarray, input_canvas: np.ndarray | None = None) -> np.ndarray:
+        """draft: (B, C) int64, entropies: (B, C) float32 -> (B,) bool (stable and confident).
+        ``input_canvas``, the canvas the step read, is not used by this rule (other stopping rules compare
+        the draft with it)."""
         draft = np.asarray(draft, dtype=np.int64)
         s = self.stability_threshold
         if s == 0:
@@ -360,7 +304,7 @@ class StableAndConfident:
             stable = (self.history == draft[None]).all(axis=(0, 2))  # (B,)
             self.history = np.concatenate([self.history[1:], draft[None]], axis=0)
         mean_entropy = np.mean(np.asarray(entropies, dtype=np.float32), axis=-1, dtype=np.float32)  # (B,)
-        return stable & (mean_entropy < self.confidence_threshold)
+        return stable & self.comparison(mean_entropy, self.confidence_threshold)
 
 
 # ---------------------------------------------------------------------------------------------- committing

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from diffusiongemma.reference.errors import CheckpointError, ConfigError, InputError
-from diffusiongemma.reference.weights import expected_shapes, load_converted
+from diffusiongemma.reference.support.errors import CheckpointError, ConfigError, InputError
+from diffusiongemma.reference.weights import expected_shapes
+from diffusiongemma.reference.support.checkpoint_io import load_converted
 from diffusiongemma.weights_converter import convert, load_transformers_checkpoint
 from diffusiongemma.weights_converter import cli, conversion
 from diffusiongemma.weights_converter.names import hf_name, project_name, skipped_group, tied_source

@@ -97,7 +97,7 @@ def test_a_perturbed_peer_forward_is_reported(monkeypatch, tiny_dir):
 def test_the_wrong_semantics_for_a_peer_is_found_with_step_position_and_cause(monkeypatch, tiny_dir):
     """Our loop run with transformers' semantics against diffusers: the commit rule parts them."""
     import diffusiongemma.crosscheck as X
-    from diffusiongemma.reference.semantics import SEMANTICS
+    from diffusiongemma.reference.variants import SEMANTICS
 
     configurations = X._configurations
 

@@ -38,7 +38,7 @@ from diffusiongemma import fast
 from diffusiongemma.fast.cache import KVCache
 from tests.random_weights import make_config, random_tensors
 from diffusiongemma.reference import layers as ref_layers
-from diffusiongemma.reference.errors import CheckpointError, ConfigError, InputError
+from diffusiongemma.reference.support.errors import CheckpointError, ConfigError, InputError
 from diffusiongemma.reference.model import Model as RefModel
 
 ROUTER_TIE = 1e-5

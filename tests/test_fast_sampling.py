@@ -32,9 +32,10 @@ from hypothesis import strategies as st
 
 from diffusiongemma.fast.sampling import FusedSampler, sampling_step
 from diffusiongemma.reference.draws import SeededDraws
-from diffusiongemma.reference.errors import SamplingError
-from diffusiongemma.reference.sampling import (argmax_tokens, categorical_from_uniform, check_logits,
-                                               entropy_bound_accept, renoise, scale_logits, softmax_and_entropy)
+from diffusiongemma.reference.support.errors import SamplingError
+from diffusiongemma.reference.sampling import (argmax_tokens, categorical_from_uniform, entropy_bound_accept,
+                                               renoise, scale_logits, softmax_and_entropy)
+from diffusiongemma.reference.support.logits import check_logits
 
 EPS_DRAW = 1e-6
 

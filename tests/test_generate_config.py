@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from diffusiongemma.reference.errors import ConfigError
+from diffusiongemma.reference.support.errors import ConfigError
 from diffusiongemma.reference.generate import GenerationConfig
 
 import transformers.models.diffusion_gemma.generation_diffusion_gemma as hf_generation  # the test extra (README) installs it

@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffusiongemma.reference.draws import ReplayDraws, ReplayError
+from diffusiongemma.reference.support.replay import ReplayDraws, ReplayError
 from diffusiongemma.reference.generate import generate
 from diffusiongemma.reference.model import Model
 from diffusiongemma.reference.sampling import (argmax_tokens, entropy_bound_accept, scale_logits,

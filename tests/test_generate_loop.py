@@ -15,8 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diffusiongemma.reference.draws import RecordingDraws, ReplayDraws, SeededDraws
-from diffusiongemma.reference.errors import ConfigError, InputError, SamplingError
+from diffusiongemma.reference.support.replay import RecordingDraws, ReplayDraws
+from diffusiongemma.reference.draws import SeededDraws
+from diffusiongemma.reference.support.errors import ConfigError, InputError, SamplingError
 from diffusiongemma.reference.generate import GenerationCallback, GenerationConfig, generate
 from diffusiongemma.reference.sampling import temperature
 

@@ -42,7 +42,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from diffusiongemma.reference.draws import ReplayDraws
+from diffusiongemma.reference.support.replay import ReplayDraws
 from diffusiongemma.reference.generate import generate
 from tests.hf_tiny import TinySpec, tiny_model
 

@@ -43,9 +43,10 @@ import pytest
 gguf = pytest.importorskip("gguf")  # an install requirement (setup.py); never skipped in a README install
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from diffusiongemma.reference.errors import CheckpointError  # noqa: E402
+from diffusiongemma.reference.support.errors import CheckpointError
 from diffusiongemma.reference.model import Model  # noqa: E402
 from diffusiongemma.weights_converter import convert  # noqa: E402
+from diffusiongemma.checkpoint import TextSide  # noqa: E402
 from diffusiongemma.weights_converter.gguf import GGUFCheckpoint, gguf_text_side, load_gguf_checkpoint  # noqa: E402
 from diffusiongemma.weights_converter.names import hf_name  # noqa: E402
 from tests.hf_oracle import hf_cache, hf_denoise, hf_encode  # noqa: E402
@@ -618,7 +619,7 @@ def test_tokenizer_and_chat_template_from_metadata(tmp_path, hf, style):
         assert side.decode(expected) == original.decode(expected)
     rendered = side.apply_chat_template("hello")
     assert rendered == "<bos><|turn>user\nhello<turn|>\n<|turn>model"  # jinja drops the final newline
-    same_dir = gguf_text_side(path)
+    same_dir = TextSide(*gguf_text_side(path))
     assert same_dir.encode("let there be light") == original.encode("let there be light").ids
 
 

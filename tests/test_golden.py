@@ -174,7 +174,7 @@ def test_check_port_runs_without_torch(tmp_path):
 def test_fast_cpu_path_reproduces_the_golden_run(name, tmp_path):
     """The compiled CPU path, replaying the same draws, agrees with transformers' run too."""
     from diffusiongemma import fast
-    from diffusiongemma.reference.draws import ReplayDraws
+    from diffusiongemma.reference.support.replay import ReplayDraws
     from diffusiongemma.reference.generation_config import GenerationConfig
     from diffusiongemma.trace import TraceRecorder, record_generate
 

@@ -15,8 +15,9 @@ import pytest
 
 from diffusiongemma.fast import gpu
 from diffusiongemma.reference.config import ModelConfig, RopeParameters
-from diffusiongemma.reference.draws import RecordingDraws, SeededDraws
-from diffusiongemma.reference.errors import InputError, SamplingError
+from diffusiongemma.reference.support.replay import RecordingDraws
+from diffusiongemma.reference.draws import SeededDraws
+from diffusiongemma.reference.support.errors import InputError, SamplingError
 from diffusiongemma.reference.generate import generate as reference_generate
 from diffusiongemma.reference.model import Model as ReferenceModel
 from diffusiongemma.reference.weights import expected_shapes

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from diffusiongemma.reference import noising as N
 from diffusiongemma.reference.masks import training_decoder_visibility
 from diffusiongemma.torch_replay import TorchCPUGenerator
-from diffusiongemma.reference.errors import InputError
+from diffusiongemma.reference.support.errors import InputError
 
 import torch  # the test extra (README) installs it
 F = torch.nn.functional

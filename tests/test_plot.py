@@ -11,7 +11,7 @@ import pytest
 from diffusiongemma import plot
 from diffusiongemma.checkpoint import default_model_dir, load_text_side
 from diffusiongemma.cli.main import main
-from diffusiongemma.reference.errors import InputError
+from diffusiongemma.reference.support.errors import InputError
 from diffusiongemma.reference.generate import GenerationConfig, generate
 from diffusiongemma.reference.model import Model
 

@@ -34,18 +34,18 @@ import ml_dtypes
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from diffusiongemma.reference import errors
+from diffusiongemma.reference.support import errors
 from diffusiongemma.reference.config import ModelConfig
-from diffusiongemma.reference.errors import CheckpointError, ConfigError, InputError, SamplingError
+from diffusiongemma.reference.support.errors import CheckpointError, ConfigError, InputError, SamplingError
 from diffusiongemma.reference.model import Model as ReferenceModel
 from diffusiongemma.reference.sampling import tokens_per_forward
-from diffusiongemma.reference.weights import INDEX_FILE, load_checkpoint, load_converted
+from diffusiongemma.reference.support.checkpoint_io import INDEX_FILE, load_checkpoint, load_converted
 from diffusiongemma.weights_converter import writer
 from tests.random_weights import make_config, random_tensors
 
 generate_module = importlib.import_module("diffusiongemma.reference.generate")
 reference_model_module = importlib.import_module("diffusiongemma.reference.model")
-weights_module = importlib.import_module("diffusiongemma.reference.weights")
+weights_module = importlib.import_module("diffusiongemma.reference.support.checkpoint_io")
 # Names that the guarantees introduced; looked up softly so that, on older code, each test fails on its own.
 NonFiniteError = getattr(errors, "NonFiniteError", type("NonFiniteErrorMissing", (Exception,), {}))
 WriteError = getattr(writer, "WriteError", type("WriteErrorMissing", (Exception,), {}))

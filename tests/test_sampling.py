@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from diffusiongemma.reference.errors import InputError, SamplingError
+from diffusiongemma.reference.support.errors import InputError, SamplingError
 from diffusiongemma.reference.sampling import (StableAndConfident, argmax_tokens, categorical_from_uniform,
-                                               check_logits, entropy_bound_accept, finalize_canvas, freeze_rows,
-                                               renoise, scale_logits, softmax_and_entropy, temperature,
-                                               tokens_per_forward)
+                                               entropy_bound_accept, finalize_canvas, freeze_rows, renoise,
+                                               scale_logits, softmax_and_entropy, temperature, tokens_per_forward)
+from diffusiongemma.reference.support.logits import check_logits
 
 import torch  # the test extra (README) installs it
 import transformers.models.diffusion_gemma.generation_diffusion_gemma as hf_generation

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffusiongemma.reference.draws import (DrawSource, RecordingDraws, ReplayDraws, ReplayError, SeededDraws,
-                                            as_draw_source)
-from diffusiongemma.reference.errors import InputError
+from diffusiongemma.reference.draws import DrawSource, SeededDraws
+from diffusiongemma.reference.support.replay import RecordingDraws, ReplayDraws, ReplayError
+from diffusiongemma.reference.support.checks import as_draw_source
+from diffusiongemma.reference.support.errors import InputError
 from diffusiongemma.reference.sampling import categorical_from_uniform, softmax_and_entropy
 
 

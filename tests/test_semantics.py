@@ -1,4 +1,4 @@
-"""Each switch of ``reference.semantics`` pinned on scripted inputs (no model, no peer).
+"""Each stage of ``reference.variants`` pinned on scripted inputs (no model, no peer).
 
 Every test states the two choices of one stage on an input where they differ, so that swapping a choice
 in a variant (or breaking a stage function) fails here.
@@ -9,9 +9,30 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffusiongemma.reference import semantics as S
-from diffusiongemma.reference.errors import ConfigError
+from diffusiongemma.reference import variants as S
+from diffusiongemma.reference.stages import STAGES
+from diffusiongemma.reference.variants.acceptance import (ar_euler_accept, block_refinement_accept,
+                                                          confidence_threshold_accept)
+from diffusiongemma.reference.variants.stopping import ArgmaxHistoryStop, HeldCounterStop, InputCanvasStop
+
+
+from diffusiongemma.reference.support.errors import ConfigError
 from diffusiongemma.reference.sampling import StableAndConfident
+
+
+STRICT = STAGES["stop_comparison"]["strict"]
+
+
+def make_stopper(semantics, s, gamma):
+    """The stopper a run with ``semantics`` uses (None without adaptive stopping), as ``generate`` makes it."""
+    if s is None or gamma is None:
+        return None
+    return semantics.stop_history.make(s, gamma, semantics.stop_comparison)
+
+
+def stage(field, name):
+    """The stage object registered under ``name`` for ``field``."""
+    return STAGES[field][name]
 
 
 # ------------------------------------------------------------------------------------------ the variants
@@ -19,7 +40,7 @@ def test_every_variant_is_selectable_and_only_transformers_is_the_default():
     assert set(S.SEMANTICS) == {"transformers", "jax", "llama.cpp", "vllm", "mlx-vlm", "diffusers"}
     for name, variant in S.SEMANTICS.items():
         assert S.get_semantics(name) is variant
-        assert variant.is_default == (name == "transformers")
+        assert variant.runs_on_any_backend == (name == "transformers")  # the rest change a step's stages
         for switch, choice in variant.switches().items():
             assert choice in S.SWITCHES[switch], (name, switch)
     assert S.get_semantics(None) is S.SEMANTICS["transformers"]
@@ -34,42 +55,43 @@ def test_unknown_names_and_choices_are_refused():
 
 def test_variant_choices_match_the_peer_table():
     jax, llama, mlx, dif, vllm = (S.SEMANTICS[n] for n in ("jax", "llama.cpp", "mlx-vlm", "diffusers", "vllm"))
-    assert (jax.commit, jax.stop_comparison, jax.stop_history, jax.canvas_window) == (
+    names = lambda *stages: tuple(getattr(st, "name", st) for st in stages)  # noqa: E731
+    assert names(jax.commit, jax.stop_comparison, jax.stop_history, jax.canvas_window) == (
         "sampled", "non-strict", "input-canvas", "W-1-i")
-    assert (llama.stop_history, llama.sc_temperature, llama.temperature, llama.eos) == (
+    assert names(llama.stop_history, llama.sc_temperature, llama.temperature, llama.eos) == (
         "held-counter", "multiply-inverse", "c-float", "llama.cpp")
-    assert (mlx.sampler, mlx.denoiser_draw, mlx.last_canvas, mlx.eos, mlx.threshold) == (
+    assert names(mlx.sampler, mlx.denoiser_draw, mlx.last_canvas, mlx.eos, mlx.threshold) == (
         "confidence-threshold", "argmax", "remaining-min-64", "stop-excluded", 0.9)
-    assert (dif.commit, dif.stop_history, dif.eos, dif.temperature) == (
+    assert names(dif.commit, dif.stop_history, dif.eos, dif.temperature) == (
         "sampled-unless-stopped", "argmax-history-min1", "first-id-only", "double")
-    assert (vllm.temperature, vllm.eos) == ("double", "cut-after")
+    assert names(vllm.temperature, vllm.eos) == ("double", "cut-after")
 
 
 # ------------------------------------------------------------------------------------------ temperature
 def test_temperature_float32_and_double_differ_in_the_last_bit_at_step_37_of_48():
-    f32 = S.schedule_temperature(37, 48, 0.4, 0.8, "float32")
-    f64 = S.schedule_temperature(37, 48, 0.4, 0.8, "double")
+    f32 = stage("temperature", "float32")(37, 48, 0.4, 0.8)
+    f64 = stage("temperature", "double")(37, 48, 0.4, 0.8)
     assert f32 == np.float32(0.7083334) and f64 == np.float32(0.7083333)
     assert np.nextafter(f64, np.float32(1)) == f32
-    assert S.schedule_temperature(48, 48, 0.4, 0.8, "c-float") == np.float32(0.8)
+    assert stage("temperature", "c-float")(48, 48, 0.4, 0.8) == np.float32(0.8)
 
 
 def test_c_float_temperature_uses_llama_cpp_operation_order():
     n, N = 7, 48
     lo, hi = np.float32(0.4), np.float32(0.8)
     expected = np.float32(lo + np.float32(np.float32((hi - lo) * np.float32(n)) / np.float32(N)))
-    assert S.schedule_temperature(n, N, 0.4, 0.8, "c-float") == expected
+    assert stage("temperature", "c-float")(n, N, 0.4, 0.8) == expected
 
 
 def test_sc_input_divide_multiply_inverse_and_raw():
     raw = np.array([[[1.0, -0.31630015, -2.0]]], dtype=np.float32)
     T = np.float32(0.7)
     processed = raw / T
-    assert S.scale_for_sc(raw, processed, T, "divide") is processed
-    inv = S.scale_for_sc(raw, processed, T, "multiply-inverse")
+    assert stage("sc_temperature", "divide")(raw, processed, T) is processed
+    inv = stage("sc_temperature", "multiply-inverse")(raw, processed, T)
     np.testing.assert_array_equal(inv, raw * np.float32(np.float32(1) / T))
     assert not np.array_equal(inv, processed)  # -0.3163 / 0.7 and -0.3163 * (1 / 0.7) round apart
-    np.testing.assert_array_equal(S.scale_for_sc(raw, processed, T, "raw"), raw)
+    np.testing.assert_array_equal(stage("sc_temperature", "raw")(raw, processed, T), raw)
 
 
 # ------------------------------------------------------------------------------------------ stopping
@@ -80,8 +102,8 @@ def _h(*values):
 def test_strict_and_non_strict_confidence_at_the_threshold():
     gamma = 0.005
     at = _h(gamma, gamma)  # mean exactly float32(γ)
-    strict = S.ArgmaxHistoryStop(0, gamma, "strict")
-    loose = S.ArgmaxHistoryStop(0, gamma, "non-strict")
+    strict = ArgmaxHistoryStop(0, gamma, stage("stop_comparison", "strict"))
+    loose = ArgmaxHistoryStop(0, gamma, stage("stop_comparison", "non-strict"))
     draft = np.array([[4, 5]])
     assert not strict(draft, at)[0] and loose(draft, at)[0]
 
@@ -90,10 +112,10 @@ def test_argmax_history_matches_transformers_rule_and_min1_reads_zero_as_one():
     low = _h(0.0, 0.0)
     drafts = [np.array([[1, 2]]), np.array([[1, 2]]), np.array([[3, 2]])]
     for s in (0, 1, 2):
-        ours, hf = S.ArgmaxHistoryStop(s, 0.005), StableAndConfident(s, 0.005)
+        ours, hf = ArgmaxHistoryStop(s, 0.005, STRICT), StableAndConfident(s, 0.005)
         assert [bool(ours(d, low)[0]) for d in drafts] == [bool(hf(d, low)[0]) for d in drafts]
-    zero = S.ArgmaxHistoryStop(0, 0.005)
-    diffusers_zero = S.ArgmaxHistoryStop(0, 0.005, min_history=1)
+    zero = ArgmaxHistoryStop(0, 0.005, STRICT)
+    diffusers_zero = ArgmaxHistoryStop(0, 0.005, STRICT, min_history=1)
     assert zero(drafts[0], low)[0]  # s = 0: always stable
     assert not diffusers_zero(drafts[0], low)[0]  # diffusers: a history of one, filled with -1
     assert diffusers_zero(drafts[1], low)[0]
@@ -103,14 +125,14 @@ def test_held_counter_equals_the_argmax_history():
     rng = np.random.default_rng(3)
     low = np.zeros((2, 3), dtype=np.float32)
     for s in (0, 1, 2, 3):
-        a, b = S.HeldCounterStop(s, 0.005), S.ArgmaxHistoryStop(s, 0.005)
+        a, b = HeldCounterStop(s, 0.005, STRICT), ArgmaxHistoryStop(s, 0.005, STRICT)
         for _ in range(12):
             draft = rng.integers(0, 2, (2, 3))
             assert (a(draft, low) == b(draft, low)).all(), s
 
 
 def test_input_canvas_stability_compares_with_the_canvas_fed_in():
-    stop = S.InputCanvasStop(0.005)
+    stop = InputCanvasStop(0.005, stage("stop_comparison", "non-strict"))
     low = _h(0.0, 0.0)
     draft = np.array([[7, 8]])
     assert stop(draft, low, input_canvas=np.array([[7, 8]]))[0]
@@ -120,62 +142,62 @@ def test_input_canvas_stability_compares_with_the_canvas_fed_in():
 
 
 def test_make_stopper_picks_the_variant_rule():
-    assert S.make_stopper(S.SEMANTICS["transformers"], 1, None) is None
-    assert isinstance(S.make_stopper(S.SEMANTICS["jax"], 1, 0.005), S.InputCanvasStop)
-    assert isinstance(S.make_stopper(S.SEMANTICS["llama.cpp"], 1, 0.005), S.HeldCounterStop)
-    assert S.make_stopper(S.SEMANTICS["diffusers"], 0, 0.005).s == 1
+    assert make_stopper(S.SEMANTICS["transformers"], 1, None) is None
+    assert isinstance(make_stopper(S.SEMANTICS["jax"], 1, 0.005), InputCanvasStop)
+    assert isinstance(make_stopper(S.SEMANTICS["llama.cpp"], 1, 0.005), HeldCounterStop)
+    assert make_stopper(S.SEMANTICS["diffusers"], 0, 0.005).s == 1
 
 
 # ------------------------------------------------------------------------------------------ committing
 def test_commit_rules():
     draft, canvas = np.array([[1, 2], [3, 4]]), np.array([[9, 2], [9, 9]])
     stopped = np.array([True, False])
-    np.testing.assert_array_equal(S.committed_tokens("argmax", draft, canvas, stopped), draft)
-    np.testing.assert_array_equal(S.committed_tokens("sampled", draft, canvas, stopped), canvas)
-    np.testing.assert_array_equal(S.committed_tokens("sampled-unless-stopped", draft, canvas, stopped),
+    np.testing.assert_array_equal(stage("commit", "argmax")(draft, canvas, stopped), draft)
+    np.testing.assert_array_equal(stage("commit", "sampled")(draft, canvas, stopped), canvas)
+    np.testing.assert_array_equal(stage("commit", "sampled-unless-stopped")(draft, canvas, stopped),
                                   [[1, 2], [9, 9]])
 
 
 def test_eos_rules_in_the_loop():
     tokens = np.array([[5, 1, 6, 106]])
     none = np.zeros(1, dtype=bool)
-    hf, done = S.finalize_variant("transformers", tokens, none, (1, 106), None)
+    hf, done = stage("eos", "transformers").finalize(tokens, none, (1, 106), None)
     assert done[0] and hf.tolist() == [[5, 1, 6, 106]]  # no pad id: nothing rewritten
-    jax, _ = S.finalize_variant("jax", tokens, none, (1, 106), None)
+    jax, _ = stage("eos", "jax").finalize(tokens, none, (1, 106), None)
     assert jax.tolist() == [[5, 1, 0, 0]]  # PAD = 0 after the first end token, which is kept
-    first, done = S.finalize_variant("first-id-only", np.array([[5, 106]]), none, (1, 106), 0)
+    first, done = stage("eos", "first-id-only").finalize(np.array([[5, 106]]), none, (1, 106), 0)
     assert not done[0] and first.tolist() == [[5, 106]]  # diffusers knows only the first id
-    kept, done = S.finalize_variant("stop-excluded", tokens, none, (1, 106), 0)
+    kept, done = stage("eos", "stop-excluded").finalize(tokens, none, (1, 106), 0)
     assert done[0] and kept.tolist() == tokens.tolist()
 
 
 def test_output_trimming_rules():
     row = [5, 6, 1, 7, 8]
-    assert S.trim_output("stop-excluded", row, (1,), 256) == [5, 6]
-    assert S.trim_output("stop-excluded", [4] * 10, (1,), 3) == [4, 4, 4]
-    assert S.trim_output("cut-after", row, (1,), 256) == [5, 6, 1]
-    assert S.trim_output("transformers", row, (1,), 2) == row
-    assert S.trim_output("llama.cpp", [3, 9, 9, 9, 9, 9, 9, 2], (1,), 256) == [3]  # stride-1 loop of 6
-    assert S.trim_output("llama.cpp", [3, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5], (1,), 256) == [3]  # stride 2
-    assert S.trim_output("llama.cpp", [3, 9, 9, 9, 9, 9, 2], (1,), 256) == [3, 9, 9, 9, 9, 9, 2]  # only 5
+    assert stage("eos", "stop-excluded").trim(row, (1,), 256) == [5, 6]
+    assert stage("eos", "stop-excluded").trim([4] * 10, (1,), 3) == [4, 4, 4]
+    assert stage("eos", "cut-after").trim(row, (1,), 256) == [5, 6, 1]
+    assert stage("eos", "transformers").trim(row, (1,), 2) == row
+    assert stage("eos", "llama.cpp").trim([3, 9, 9, 9, 9, 9, 9, 2], (1,), 256) == [3]  # stride-1 loop of 6
+    assert stage("eos", "llama.cpp").trim([3, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5], (1,), 256) == [3]  # stride 2
+    assert stage("eos", "llama.cpp").trim([3, 9, 9, 9, 9, 9, 2], (1,), 256) == [3, 9, 9, 9, 9, 9, 2]  # only 5
 
 
 def test_last_canvas_length_rule():
-    assert S.canvas_length_for("full", 256, 20) == 256
-    assert S.canvas_length_for("remaining-min-64", 256, 100) == 100
-    assert S.canvas_length_for("remaining-min-64", 256, 20) == 64
-    assert S.canvas_length_for("remaining-min-64", 256, 1000) == 256
-    assert S.canvas_length_for("remaining-min-64", 16, 3) == 16  # canvases of at most 64 never shrink
+    assert stage("last_canvas", "full")(256, 20) == 256
+    assert stage("last_canvas", "remaining-min-64")(256, 100) == 100
+    assert stage("last_canvas", "remaining-min-64")(256, 20) == 64
+    assert stage("last_canvas", "remaining-min-64")(256, 1000) == 256
+    assert stage("last_canvas", "remaining-min-64")(16, 3) == 16  # canvases of at most 64 never shrink
 
 
 # ------------------------------------------------------------------------------------------ samplers
 def test_confidence_threshold_reveals_above_threshold_else_the_best():
     conf = np.array([[0.95, 0.2, 0.91, 0.5], [0.1, 0.3, 0.2, 0.25]], dtype=np.float32)
     revealed = np.array([[False, False, True, False], [False, False, False, False]])
-    out = S.confidence_threshold_accept(conf, revealed, 0.9)
+    out = confidence_threshold_accept(conf, revealed, 0.9)
     assert out.tolist() == [[True, False, False, False], [False, True, False, False]]
-    assert S.confidence_threshold_accept(conf, revealed, 0.9, force_all=True).tolist() == (~revealed).tolist()
-    at = S.confidence_threshold_accept(np.float32([[0.9, 0.9]]), np.zeros((1, 2), bool), 0.9)
+    assert confidence_threshold_accept(conf, revealed, 0.9, force_all=True).tolist() == (~revealed).tolist()
+    at = confidence_threshold_accept(np.float32([[0.9, 0.9]]), np.zeros((1, 2), bool), 0.9)
     assert at.tolist() == [[True, True]]  # >= (with > only the forced best one would be revealed)
 
 
@@ -183,30 +205,31 @@ def test_block_refinement_quota_and_threshold():
     conf = np.array([[0.2, 0.96, 0.5, 0.4, 0.3, 0.1, 0.6, 0.7]], dtype=np.float32)
     committed = np.zeros((1, 8), dtype=bool)
     # step 0 of 4: quota ceil(8/4) = 2 -> the two most confident; 0.96 > 0.95 is among them anyway
-    out = S.block_refinement_accept(conf, committed, 0, 4, 0.95)
+    out = block_refinement_accept(conf, committed, 0, 4, 0.95)
     assert np.flatnonzero(out[0]).tolist() == [1, 7]
     # with a low threshold every uncommitted position above it is committed beyond the quota
-    out = S.block_refinement_accept(conf, committed, 0, 4, 0.45)
+    out = block_refinement_accept(conf, committed, 0, 4, 0.45)
     assert np.flatnonzero(out[0]).tolist() == [1, 2, 6, 7]
     # the last step fills the quota to the whole canvas
-    assert S.block_refinement_accept(conf, out, 3, 4, 0.95).sum() + out.sum() == 8
+    assert block_refinement_accept(conf, out, 3, 4, 0.95).sum() + out.sum() == 8
 
 
 def test_ar_euler_accepts_everything_and_renoises_nothing_at_the_last_step():
     u = np.array([[0.0, 0.49, 0.51, 0.99]])
-    accept, renoised = S.ar_euler_accept(u, u, step=2, max_steps=4)
+    accept, renoised = ar_euler_accept(u, u, step=2, max_steps=4)
     assert accept.tolist() == [[True, True, False, False]]
     assert renoised.tolist() == [[True, False, False, False]]  # probability 0.8 * 1 / 4 = 0.2
-    accept, renoised = S.ar_euler_accept(u, u, step=1, max_steps=4)
+    accept, renoised = ar_euler_accept(u, u, step=1, max_steps=4)
     assert accept.all() and not renoised.any()
 
 
 def test_sliding_window_per_query_rules():
     W, P, C = 4, 10, 3
     keys = np.arange(P - (W - 1) - 1, P)  # the last W positions, oldest first: 6, 7, 8, 9
-    assert S.sliding_window_keys("W-1", keys, P, C, W).tolist() == [[False, True, True, True]] * C
-    assert S.sliding_window_keys("W", keys, P, C, W).tolist() == [[True, True, True, True]] * C
-    assert S.sliding_window_keys("W-1-i", keys, P, C, W).tolist() == [
+    # W-1: every key the cache retains (its last W-1), for every query; W: likewise on a cache of W keys
+    assert stage("canvas_window", "W-1").keys(keys[1:], P, C, W).tolist() == [[True, True, True]] * C
+    assert stage("canvas_window", "W").keys(keys, P, C, W).tolist() == [[True, True, True, True]] * C
+    assert stage("canvas_window", "W-1-i").keys(keys, P, C, W).tolist() == [
         [False, True, True, True], [False, False, True, True], [False, False, False, True]]
 
 
@@ -229,7 +252,9 @@ class _Scripted:
     def encode(self, ids, cache, mask=None):
         cache.length += ids.shape[1]
 
-    def denoise(self, canvas, cache, sc_logits=None, canvas_window="W-1"):
+    DENOISE_REPORTS = True  # denoise takes the run's observer and window stage (both unused here)
+
+    def denoise(self, canvas, cache, sc_logits=None, *, observer=None, canvas_window=None):
         self.calls += 1
         return self.script(self.calls - 1, canvas)
 
@@ -277,7 +302,8 @@ def test_generate_semantics_stability_zero_transformers_versus_diffusers():
 
 
 def test_generate_semantics_argmax_proposals_make_no_categorical_draw():
-    from diffusiongemma.reference.draws import RecordingDraws, SeededDraws
+    from diffusiongemma.reference.support.replay import RecordingDraws
+    from diffusiongemma.reference.draws import SeededDraws
     from diffusiongemma.reference.generate import generate
 
     for name, expect in (("transformers", True), ("mlx-vlm", False)):
@@ -304,9 +330,9 @@ def test_canvas_window_rules_in_the_decoder():
         model = Model(config, random_tensors(config, seed=1))
         cache = model.new_cache(1)
         model.encode(prompt, cache)
-        outputs[W] = (model.denoise(canvas, cache), model.denoise(canvas, cache, canvas_window="W-1-i"))
+        outputs[W] = (model.denoise(canvas, cache), model.denoise(canvas, cache, canvas_window=stage("canvas_window", "W-1-i").keys))
         if W == 8:
-            wide = S.variant_cache(S.SEMANTICS["jax"].replace(canvas_window="W"), model, 1)
+            wide = stage("canvas_window", "W").new_cache(model, 1)
             model.encode(prompt, wide)
             assert [wide.keys[l].shape[2] for l in range(config.num_hidden_layers)] == [8, 8, 12, 8, 12]
             assert np.abs(model.denoise(canvas, wide) - outputs[8][0]).max() > 1e-3  # one more prompt key

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 from diffusiongemma import fast
 from diffusiongemma.checkpoint import default_model_dir
 from diffusiongemma.cli.main import main
-from diffusiongemma.reference.draws import ReplayDraws
+from diffusiongemma.reference.support.replay import ReplayDraws
 from diffusiongemma.reference.generate import GenerationConfig, generate
 from diffusiongemma.reference.model import Model
 from diffusiongemma.trace import (DEFAULT_ATOL, METADATA_KEY, Row, Trace, TraceError, TraceRecorder, compare_traces,

@@ -21,7 +21,7 @@ import pytest
 
 from diffusiongemma import fast
 from diffusiongemma.cli.main import main
-from diffusiongemma.reference.draws import ReplayDraws
+from diffusiongemma.reference.support.replay import ReplayDraws
 from diffusiongemma.reference.generate import GenerationConfig, generate
 from diffusiongemma.reference.model import Model
 from diffusiongemma.trace import Trace, TraceRecorder, compare_traces, format_report, record_generate

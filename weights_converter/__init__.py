@@ -8,6 +8,11 @@ tensor by tensor), ``writer`` (storage casts, shards, atomic output), ``conversi
 accounts for every tensor, and the two entry points), ``cli`` (argparse front end).
 """
 
+if __name__ != "diffusiongemma.weights_converter":  # e.g. ``import weights_converter`` from the repository root
+    raise ImportError(f"this package is diffusiongemma.weights_converter; import it under that name (it was imported as "
+                      f"{__name__!r}, which would make a second copy of every class)")
+
+
 import os
 
 from .conversion import DEFAULT_SHARD_SIZE, ConversionSummary, convert, load_transformers_checkpoint

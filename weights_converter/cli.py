@@ -10,8 +10,8 @@ import argparse
 import re
 import sys
 
-from diffusiongemma.reference.errors import CheckpointError, ConfigError, InputError
-from diffusiongemma.reference.weights import STORAGE_DTYPES
+from diffusiongemma.reference.support.errors import CheckpointError, ConfigError, InputError
+from diffusiongemma.reference.support.checkpoint_io import STORAGE_DTYPES
 
 from .conversion import DEFAULT_SHARD_SIZE, convert
 

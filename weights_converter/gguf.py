@@ -49,9 +49,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from diffusiongemma.reference.config import FULL, SLIDING, ModelConfig, RopeParameters
-from diffusiongemma.reference.errors import CheckpointError, InputError
-from diffusiongemma.reference.weights import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, STORAGE_DTYPES,
-                                              expected_shapes)
+from diffusiongemma.reference.support.errors import CheckpointError, InputError
+from diffusiongemma.reference.support.checkpoint_io import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, STORAGE_DTYPES
+from diffusiongemma.reference.weights import expected_shapes
 
 ARCHITECTURE = "diffusion-gemma"
 GGUF_MAGIC = b"GGUF"
@@ -567,12 +567,11 @@ def _token(checkpoint: GGUFCheckpoint, key: str) -> str | None:
 
 
 def gguf_text_side(path: str | os.PathLike):
-    """``diffusiongemma.checkpoint.TextSide`` (tokenizer, chat template, BOS/EOS strings) from GGUF metadata."""
-    from diffusiongemma.checkpoint import TextSide
-
+    """(tokenizer, chat template, BOS string, EOS string) from GGUF metadata (``diffusiongemma.checkpoint``
+    makes its ``TextSide`` of them)."""
     checkpoint = GGUFCheckpoint.open(path)
-    return TextSide(build_tokenizer(checkpoint), checkpoint.string("tokenizer.chat_template", None),
-                    _token(checkpoint, "tokenizer.ggml.bos_token_id"), _token(checkpoint, "tokenizer.ggml.eos_token_id"))
+    return (build_tokenizer(checkpoint), checkpoint.string("tokenizer.chat_template", None),
+            _token(checkpoint, "tokenizer.ggml.bos_token_id"), _token(checkpoint, "tokenizer.ggml.eos_token_id"))
 
 
 # ================================================================================================ convert
@@ -584,7 +583,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "f
     ``chat_template.jinja`` built from the GGUF metadata (when it has a tokenizer) and a
     ``generation_config.json`` from the ``diffusion.eb_*`` keys. Same errors as ``convert``.
     """
-    from .conversion import DEFAULT_SHARD_SIZE, ConversionSummary
+    from .summary import DEFAULT_SHARD_SIZE, ConversionSummary
     from .writer import ShardWriter, atomic_directory, check_destination, to_storage
 
     shard_size = DEFAULT_SHARD_SIZE if shard_size is None else shard_size

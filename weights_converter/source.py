@@ -24,7 +24,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from diffusiongemma.reference.config import ModelConfig
-from diffusiongemma.reference.errors import CheckpointError, ConfigError
+from diffusiongemma.reference.support.errors import CheckpointError, ConfigError
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

@@ -38,9 +38,9 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
-from diffusiongemma.reference.errors import CheckpointError, InputError
-from diffusiongemma.reference.weights import INDEX_FILE, STORAGE_DTYPES, to_float32
-from diffusiongemma.reference.weights import check_finite as _check_finite
+from diffusiongemma.reference.support.errors import CheckpointError, InputError
+from diffusiongemma.reference.support.checkpoint_io import INDEX_FILE, STORAGE_DTYPES, to_float32
+from diffusiongemma.reference.support.checkpoint_io import check_finite as _check_finite
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 WEIGHT_FILE_PATTERN = "weights-{:05d}.safetensors"

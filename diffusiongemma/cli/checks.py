@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from diffusiongemma.reference.errors import InputError
+from diffusiongemma.reference.support.errors import InputError
 
 
 def check_writable(path: str, option: str) -> None:

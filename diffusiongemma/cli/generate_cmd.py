@@ -131,7 +131,7 @@ OPTIONS = {"max_new_tokens": "-n/--max-new-tokens", "max_length": "--max-length"
 def settings_for(args, path: str, model_config):
     """The checkpoint's generation settings with the command line's changes applied; ``UsageError`` naming
     the options when the result is not a valid setting."""
-    from diffusiongemma.reference.errors import ConfigError
+    from diffusiongemma.reference.support.errors import ConfigError
     from diffusiongemma.reference.generate import GenerationConfig
 
     try:

@@ -36,7 +36,7 @@ def run(args) -> int:
     import sys
 
     from diffusiongemma import plot
-    from diffusiongemma.reference.errors import InputError
+    from diffusiongemma.reference.support.errors import InputError
 
     from .checks import check_writable
 

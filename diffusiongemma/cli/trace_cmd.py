@@ -88,7 +88,7 @@ def run_compare(args) -> int:
 
 
 def run_trace(args) -> int:
-    from diffusiongemma.reference.draws import ReplayDraws
+    from diffusiongemma.reference.support.replay import ReplayDraws
     from diffusiongemma.trace import TraceRecorder, layers_by_default, record_generate
 
     from diffusiongemma.checkpoint import default_model_dir, generate_function, load_model

@@ -54,7 +54,7 @@ def peer_module(peer: str):
 
 def _configurations(peer: str) -> list[tuple[str, Any, dict]]:
     """(label, our semantics, peer options) for each sampler configuration compared."""
-    from diffusiongemma.reference.semantics import SEMANTICS
+    from diffusiongemma.reference.variants import SEMANTICS
 
     if peer == "mlx-vlm":
         mlx = SEMANTICS["mlx-vlm"]
@@ -66,7 +66,8 @@ def _configurations(peer: str) -> list[tuple[str, Any, dict]]:
         d = SEMANTICS["diffusers"]
         return [("diffusers EntropyBoundScheduler", d, {"scheduler": "entropy-bound"}),
                 ("diffusers BlockRefinementScheduler 0.95, temperature 0",
-                 d.replace(sampler="block-refinement", sc_temperature="raw", denoiser_draw="argmax", threshold=0.95),
+                 d.replace(sampler="block-refinement", temperature="none", sc_temperature="raw", denoiser_draw="argmax",
+                           threshold=0.95),
                  {"scheduler": "block-refinement", "threshold": 0.95})]
     return [("transformers generate, entropy-bound, seeded", SEMANTICS["transformers"], {})]
 
@@ -93,7 +94,7 @@ def _image_token_id(model_dir: str, vocab_size: int) -> int | None:
 
 
 def _describe_semantics(semantics: Any) -> str:
-    from diffusiongemma.reference.semantics import SEMANTICS
+    from diffusiongemma.reference.variants import SEMANTICS
 
     base = SEMANTICS.get(semantics.name)
     changed = {k: v for k, v in semantics.switches().items() if base is None or getattr(base, k) != v}
@@ -105,9 +106,8 @@ def _run_ours(model: Any, prompt: np.ndarray, settings: Any, semantics: Any, tap
               calls_out: list | None = None) -> tuple[list, list]:
     """Our loop with ``semantics`` and the peer's draws replayed; returns (output tokens, decoder calls).
     ``calls_out``: a list that receives the decoder calls as they happen (kept when the replay fails)."""
-    from diffusiongemma.reference.draws import ReplayDraws
+    from diffusiongemma.reference.support.replay import ReplayDraws
     from diffusiongemma.reference.generate import generate
-    from diffusiongemma.reference.semantics import trim_output
 
     recorder = CallRecorder(model.denoise)
     if calls_out is not None:
@@ -120,7 +120,7 @@ def _run_ours(model: Any, prompt: np.ndarray, settings: Any, semantics: Any, tap
     result = generate(model, prompt, generation_config=settings, semantics=semantics, random=ReplayDraws(tape),
                       denoiser=recorder, callback=_Canvases())
     new = [int(t) for t in result.sequences[0, prompt.shape[1]:]]
-    return trim_output(semantics.eos, new, settings.eos_token_id, settings.max_new_tokens), recorder.calls
+    return semantics.eos.trim(new, settings.eos_token_id, settings.max_new_tokens), recorder.calls
 
 
 def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: int = 0, canvases: int = 2,
@@ -157,7 +157,7 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
                         forward=forward_rows(ours, adapter.forward(x), tol))
         logit_tol = max(tol.values())
         C = int(ours_model.config.canvas_length)
-        from diffusiongemma.reference.semantics import SEMANTICS
+        from diffusiongemma.reference.variants import SEMANTICS
 
         # A second run per configuration with loose stopping (stability 0, confidence 1.5 nats), so that rows
         # stop early and the stopping rules (and diffusers' reading of stability 0 as 1) are compared too.
@@ -176,7 +176,7 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
             except Exception as exc:  # a replay that does not fit is a finding, not a crash
                 row.divergence = Divergence(-1, -1, -1, -1, -1, f"our run could not replay the peer's draws: {exc}")
             report.generation.append(row)
-            if semantics.name != "transformers" or not semantics.is_default:
+            if semantics.name != "transformers" or not semantics.runs_on_any_backend:
                 report.defects.extend(_versus_transformers(ours_model, x.prompt, settings, run, label_k, C,
                                                            logit_tol, SEMANTICS["transformers"]))
         probe = next((r for r in report.forward if r.probe), None)

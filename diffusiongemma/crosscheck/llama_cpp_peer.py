@@ -6,7 +6,7 @@ llama.cpp is not installed by this package: its DiffusionGemma runner lives in P
 (head commit c3fb97241295c196e09b783e705e84b96cd1bd74; the upstream main branch does not have
 ``src/models/diffusion-gemma.cpp``). Build the CMake target ``llama-diffusion-cli`` of that commit for the CPU
 and pass its path with ``--llama-bin``; the model is written as a GGUF file for it
-(``weights_converter/gguf_writer.py``), so llama.cpp's own converter is not needed.
+(``diffusiongemma/gguf_writer.py``), so llama.cpp's own converter is not needed.
 
 What is compared. llama.cpp runs its entropy-bound denoiser on the GGUF with flash attention, its prompt KV
 cache and its device sampling off (so every step decodes [prompt | canvas] on the CPU, in float32); the
@@ -272,7 +272,7 @@ def case_gguf(model: "str | int", directory: str) -> str:
     or the seed of ``random_tiny_model`` (with ``write_tiny_checkpoint_text``'s tokenizer and settings).
     Returns its path; the same bytes every time (tests/golden/llama.cpp record their digests)."""
     from diffusiongemma.checkpoint import default_model_dir
-    from diffusiongemma.weights_converter.gguf_writer import write_gguf, write_model_gguf
+    from diffusiongemma.gguf_writer import write_gguf, write_model_gguf
 
     if model == "shipped":
         path = os.path.join(directory, "tiny-kjv.gguf")
@@ -430,7 +430,7 @@ def crosscheck_llama_cpp(llama_bin: str, model_path: str | None = None, *, promp
     return a report dict (``agree``, ``problems``, both runs' tokens and per-block step counts, timings)."""
     from diffusiongemma.checkpoint import default_model_dir, load_generation_config
     from diffusiongemma.reference.model import Model
-    from diffusiongemma.weights_converter.gguf_writer import write_gguf
+    from diffusiongemma.gguf_writer import write_gguf
 
     _check_binary(llama_bin)
     model_path = model_path or default_model_dir()

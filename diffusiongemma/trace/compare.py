@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from diffusiongemma.reference.errors import InputError
+from diffusiongemma.reference.support.errors import InputError
 
 from .format import DEFAULT_ATOL, DEFAULT_RTOL, GROUPS, TOPK_PARTS, Trace, TraceError, step_name
 from .recorder import summarize_logits

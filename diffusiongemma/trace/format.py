@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from diffusiongemma.reference.errors import InputError
+from diffusiongemma.reference.support.errors import InputError
 
 FORMAT_NAME = "diffusiongemma-trace"
 FORMAT_VERSION = 1

@@ -91,8 +91,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from diffusiongemma.reference.errors import InputError
-from diffusiongemma.reference.observer import Observer
+from diffusiongemma.reference.support.errors import InputError
+from diffusiongemma.reference.support.observer import Observer
 
 from .format import (DEFAULT_TOP_K, FORMAT_NAME, FORMAT_VERSION, FULL_LOGITS_MAX_VOCAB, TOPK_PARTS,
                      _LAYERS_AUTO_BYTES, _SUMMARY_CHUNK_ELEMENTS, TraceError, canvas_name, encode_name, step_name,
@@ -299,7 +299,7 @@ class TraceRecorder(Observer):
         self._expect("record_draws", "run")
         if not self.tape:
             return draws
-        from diffusiongemma.reference.draws import RecordingDraws
+        from diffusiongemma.reference.support.replay import RecordingDraws
 
         self._recording = RecordingDraws(draws)
         return self._recording
@@ -483,8 +483,8 @@ def record_generate(generate_fn: Callable, model: Any, input_ids: np.ndarray, re
     ``generate`` arguments (setting overrides such as ``max_new_tokens``).
     Returns what ``generate_fn`` returns; ``recorder`` is finished (``end_run`` called) and ready to ``save``.
     """
-    from diffusiongemma.reference.draws import as_draw_source
-    from diffusiongemma.reference.generate import resolve_config
+    from diffusiongemma.reference.support.checks import as_draw_source
+    from diffusiongemma.reference.support.checks import resolve_config
 
     if "trace" in inspect.signature(generate_fn).parameters:
         return generate_fn(model, input_ids, attention_mask, generation_config, random=random, trace=recorder,

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 
-from diffusiongemma.reference.errors import InputError
+from diffusiongemma.reference.support.errors import InputError
 
 
 from . import launch as gl

@@ -36,12 +36,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from diffusiongemma.reference.config import ModelConfig
-from diffusiongemma.reference.errors import InputError
+from diffusiongemma.reference.support.errors import InputError
 from diffusiongemma.reference.generate import ReferenceBackend, generate
-from diffusiongemma.reference.model import check_attention_mask, check_denoise_inputs, check_token_ids
-from diffusiongemma.reference.observer import NULL_OBSERVER
+from diffusiongemma.reference.support.checks import check_attention_mask, check_denoise_inputs, check_token_ids
+from diffusiongemma.reference.support.observer import NULL_OBSERVER
 from diffusiongemma.reference.primitives import rope_inverse_frequencies, softcap
-from diffusiongemma.reference.weights import check_tensors, load_checkpoint
+from diffusiongemma.reference.support.checkpoint_io import check_tensors, load_checkpoint
 
 from . import launch as gl
 from ..weights import pack
@@ -90,7 +90,8 @@ class Model:
         ``GpuBackend`` (device buffer and kernels), or, for a replaced host ``denoiser``, the reference's step
         inside the device context."""
         if denoiser is not None:
-            return ReferenceBackend(denoiser, draws, self.config.vocab_size, observer, context=self.device.context)
+            return ReferenceBackend(denoiser, draws, self.config.vocab_size, batch_size, observer=observer,
+                                    context=self.device.context)
         return GpuBackend(self, draws, batch_size, observer=observer, logits_hook=logits_hook)
 
     def softcapped_host_logits(self, buffer, rows: np.ndarray, cap: float) -> np.ndarray:

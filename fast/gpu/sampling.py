@@ -22,12 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from diffusiongemma.reference.draws import SeededDraws
 from diffusiongemma.reference.generate import StepOutput
-from diffusiongemma.reference.observer import NULL_OBSERVER, Observer
-from diffusiongemma.reference.errors import SamplingError
-from diffusiongemma.reference.sampling import (FLAG_NAN, FLAG_NO_FINITE, FLAG_POSINF, FLAG_RAW_NO_FINITE,
-                                               FLAG_RAW_POSINF, raise_for_logit_flags)
+from diffusiongemma.reference.support.observer import NULL_OBSERVER, Observer
+from diffusiongemma.reference.support.errors import SamplingError
+from diffusiongemma.reference.support.logits import (FLAG_NAN, FLAG_NO_FINITE, FLAG_POSINF, FLAG_RAW_NO_FINITE,
+                                                     FLAG_RAW_POSINF, raise_for_logit_flags)
 
 from . import launch as gl
 
@@ -82,25 +81,17 @@ class GpuBackend:
             self.buffer = self.dev.empty((self.B, self.C, self.V), np.float32)  # the one (C x V) buffer per row
         self.has_sc = False  # buffer holds self-conditioning probabilities for every row
         self.cache: Any = None
-        self.draft = np.zeros((self.B, self.C), dtype=np.int64)
-        self.entropies = np.zeros((self.B, self.C), dtype=np.float32)
 
     def context(self) -> Any:
         return self.dev.context()
 
-    def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None) -> None:
+    def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None, canvas: np.ndarray) -> None:
         """Start a canvas: no self-conditioning, or the caller's logits (first canvas only)."""
         self.cache, self.has_sc = cache, False
         if sc_logits is not None:
             self.buffer[...] = self.dev.to_device(sc_logits)
             self.model._softmax_in_place(self.buffer, np.arange(self.B), "self_conditioning_logits")
             self.has_sc = True
-
-    def _uniforms(self) -> np.ndarray | None:
-        """The categorical uniforms of ``SeededDraws`` (its exact generator call), or None for another source."""
-        if type(self.draws) is SeededDraws:
-            return self.draws.generator.random(size=(self.B, self.C), dtype=np.float64)
-        return None
 
     def step(self, canvas: np.ndarray, finished: np.ndarray, temp: np.float32 | None) -> StepOutput:
         """Decoder pass and sampling pass for the rows not finished (SPEC §8.2 b-e)."""
@@ -117,13 +108,13 @@ class GpuBackend:
             self.observer.logits(self.model.softcapped_host_logits(self.buffer, live, cap), rows=live)
         flat = _flat_rows(live, C)
         out = _StepOutputs(dev, flat.shape[0])
-        uniforms = self._uniforms()
+        uniforms = self.draws.categorical_uniforms(B, C)  # (B, C) float64, or None: the source needs probs
         dev.launch(gl.sample_rows(self.buffer.reshape(B * C, V), dev.to_device(flat), cap,
                                   0.0 if temp is None else float(temp),
                                   None if uniforms is None else dev.to_device(uniforms[live].reshape(-1)),
                                   out.argmax, out.entropy, out.sampled, out.flags))
         raise_for_flags(dev.to_host(out.flags), flat, C, temp)
-        sampled = canvas.copy()  # rows not decoded report their canvas
+        sampled = np.zeros((B, C), dtype=np.int64)  # rows not decoded: the loop reports their frozen canvas
         if uniforms is None:  # any other draw source decides on the host, from the probabilities
             probs = dev.to_host(self.buffer)
             frozen = np.setdiff1d(np.arange(B), live)
@@ -132,16 +123,16 @@ class GpuBackend:
         else:
             sampled[live] = dev.to_host(out.sampled).reshape(live.shape[0], C)
         self.has_sc = True
-        draft, entropies = self.draft.copy(), self.entropies.copy()
+        draft, entropies = np.zeros((B, C), dtype=np.int64), np.zeros((B, C), dtype=np.float32)
         draft[live] = dev.to_host(out.argmax).reshape(live.shape[0], C)
         entropies[live] = dev.to_host(out.entropy).reshape(live.shape[0], C)
-        self.draft, self.entropies = draft, entropies
         return StepOutput(draft, sampled, entropies)
 
-    def accept_and_renoise(self, entropies: np.ndarray, sampled: np.ndarray, noise: np.ndarray,
+    def accept_and_renoise(self, step: StepOutput, canvas: np.ndarray, noise: np.ndarray,
                            bound: float) -> tuple[np.ndarray, np.ndarray]:
-        """The entropy-bound acceptance and renoising kernel (SPEC §8.2 f, g) on all B rows."""
+        """The spec's entropy-bound acceptance and renoising (SPEC §8.2 f, g) as one kernel on all B rows."""
         dev = self.dev
+        entropies, sampled = step.entropies, step.sampled
         shape = entropies.shape
         accepted = dev.empty(shape, np.uint8)
         next_canvas = dev.empty(shape, np.int64)
@@ -150,3 +141,7 @@ class GpuBackend:
                                      dev.to_device(np.ascontiguousarray(noise, dtype=np.int64)), bound,
                                      accepted, next_canvas))
         return dev.to_host(accepted).astype(bool), dev.to_host(next_canvas)
+
+    def revealed_all(self) -> np.ndarray:
+        """The entropy-bound sampler never ends a row by itself."""
+        return np.zeros(self.B, dtype=bool)

@@ -1,0 +1,137 @@
+"""Commit stages: what a finished canvas commits, what an end token does to it and to the output, and how
+long each canvas is.
+
+The spec (transformers) commits the argmax draft (``ARGMAX``), keeps the EOS and pads after it when a pad
+id is set (``TRANSFORMERS_EOS``: ``sampling.finalize_canvas``), and gives every canvas C positions
+(``FULL_CANVAS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..sampling import finalize_canvas
+from ..stages import CommitArgmax, FullCanvas, TransformersEos
+
+
+# ------------------------------------------------------------------------------------------ what is committed
+@dataclass(frozen=True)
+class CommitSampled:
+    """The last step's sampled-and-renoised canvas."""
+
+    name: ClassVar[str] = "sampled"
+    source: ClassVar[str] = "JAX sample_next_canvas returns the last SampleFromPredictions canvas"
+
+    def __call__(self, draft: np.ndarray, canvas: np.ndarray, stopped: np.ndarray) -> np.ndarray:
+        return np.asarray(canvas, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class CommitSampledUnlessStopped:
+    """The sampled canvas, except for rows the stopping rule ended (those commit the argmax)."""
+
+    name: ClassVar[str] = "sampled-unless-stopped"
+    source: ClassVar[str] = ("diffusers DiffusionGemmaPipeline appends scheduler prev_sample; rows frozen by "
+                             "the stopping rule get the argmax")
+
+    def __call__(self, draft: np.ndarray, canvas: np.ndarray, stopped: np.ndarray) -> np.ndarray:
+        return np.where(np.asarray(stopped, dtype=bool)[:, None], draft, canvas).astype(np.int64)
+
+
+# ------------------------------------------------------------------------------------------ end tokens
+def _loop_start(row: list[int], repeats: int = 6) -> int | None:
+    """Index where a token starts repeating at stride 1 or 2 for at least ``repeats`` repeats, else None."""
+    for start in range(len(row)):
+        for stride in (1, 2):
+            end = start + stride * repeats
+            if end <= len(row) and all(row[start + j] == row[start + j % stride] for j in range(stride * repeats)):
+                if stride == 1 or row[start] != row[start + 1]:
+                    return start
+    return None
+
+
+@dataclass(frozen=True)
+class EosRule:
+    """An end-token rule: ``finalize`` rewrites a committed canvas and says which rows ended; ``trim`` cuts
+    the generated ids (one row) to what the implementation reports.
+
+    pad: "spec" (the generation config's pad id), "zero" (pad id 0 when none is set: JAX always pads with
+    0) or "none" (nothing is rewritten). ids: "all" EOS ids end a row, or only the "first" (diffusers).
+    cut: the output cut after the run: "none", "before" the first EOS (excluded), "after" it (included),
+    "before-or-loop" (llama.cpp: before the first EOS or a stride-1/2 loop of >= 6 repeats).
+    """
+
+    name: str
+    source: str
+    pad: str = "spec"
+    ids: str = "all"
+    cut: str = "none"
+    limit_to_budget: bool = False  # the output also ends at max_new_tokens (mlx-vlm)
+
+    def finalize(self, tokens: np.ndarray, finished_before: np.ndarray, eos_token_ids, pad_token_id,
+                 forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens to append (B, C) int64, finished (B,) bool) for a committed canvas."""
+        eos = tuple(eos_token_ids)
+        eos = eos[:1] if self.ids == "first" else eos
+        if self.pad == "spec":
+            return finalize_canvas(tokens, finished_before, eos, pad_token_id, forced)
+        if self.pad == "zero":
+            return finalize_canvas(tokens, finished_before, eos, 0 if pad_token_id is None else pad_token_id, forced)
+        tokens = np.array(tokens, dtype=np.int64, copy=True)
+        hit = np.isin(tokens, np.asarray(eos, dtype=np.int64)).any(axis=-1) if eos else np.zeros(len(tokens), bool)
+        finished = np.asarray(finished_before, dtype=bool) | hit
+        if forced is not None:
+            finished = finished | np.asarray(forced, dtype=bool)
+        return tokens, finished
+
+    def trim(self, new_tokens: list[int], eos_token_ids, max_new_tokens: int) -> list[int]:
+        """The generated tokens the implementation reports, from the committed canvases (one row)."""
+        eos = set(int(t) for t in eos_token_ids)
+        row = [int(t) for t in new_tokens]
+        if self.cut != "none":
+            first = next((i for i, t in enumerate(row) if t in eos), None)
+            if first is not None:
+                row = row[:first + 1] if self.cut == "after" else row[:first]
+            if self.cut == "before-or-loop":
+                loop = _loop_start(row)
+                row = row if loop is None else row[:loop]
+        if self.limit_to_budget:
+            row = row[:max_new_tokens]
+        return row
+
+
+TRANSFORMERS_EOS = TransformersEos()
+JAX_EOS = EosRule("jax", "JAX _truncate_canvas_at_stop_tokens: PAD=0 after the first end token, end token kept",
+                  pad="zero")
+STOP_EXCLUDED_EOS = EosRule("stop-excluded", "mlx-vlm: emission stops at the first EOS id, which is not emitted; "
+                                             "also stops at max_new_tokens", pad="none", cut="before",
+                            limit_to_budget=True)
+LLAMA_CPP_EOS = EosRule("llama.cpp", "llama.cpp trim_canvas: cut at the first EOG (excluded) or a stride-1/2 loop "
+                                     "of >= 6", pad="none", cut="before-or-loop")
+FIRST_ID_EOS = EosRule("first-id-only", "diffusers: only the tokenizer's single eos_token_id ends a row; no "
+                                        "rewrite", pad="none", ids="first")
+CUT_AFTER_EOS = EosRule("cut-after", "vLLM server stop handling [I]: the output ends after the first EOS, no pad",
+                        pad="none", cut="after")
+
+
+# ------------------------------------------------------------------------------------------ canvas length
+@dataclass(frozen=True)
+class RemainingMin64:
+    """mlx-vlm's last canvas: ``min(C, max(remaining, min(C, 64)))``."""
+
+    name: ClassVar[str] = "remaining-min-64"
+    source: ClassVar[str] = "mlx-vlm stream_diffusion_generate: min(C, max(remaining, min(C, 64))) unless full canvas"
+
+    def __call__(self, model_canvas_length: int, remaining_tokens: int, min_canvas: int = 64) -> int:
+        return int(min(model_canvas_length, max(remaining_tokens, min(model_canvas_length, min_canvas))))
+
+
+ARGMAX, SAMPLED, SAMPLED_UNLESS_STOPPED = CommitArgmax(), CommitSampled(), CommitSampledUnlessStopped()
+FULL_CANVAS, REMAINING_MIN_64 = FullCanvas(), RemainingMin64()
+COMMITS = {s.name: s for s in (ARGMAX, SAMPLED, SAMPLED_UNLESS_STOPPED)}
+EOS_RULES = {s.name: s for s in (TRANSFORMERS_EOS, JAX_EOS, STOP_EXCLUDED_EOS, LLAMA_CPP_EOS, FIRST_ID_EOS,
+                                 CUT_AFTER_EOS)}
+CANVAS_LENGTHS = {s.name: s for s in (FULL_CANVAS, REMAINING_MIN_64)}

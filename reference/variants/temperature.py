@@ -1,0 +1,92 @@
+"""Temperature stages: how T_n of the linear schedule is rounded, and what the next step's
+self-conditioning input is made of.
+
+Every stage is a small object; ``Semantics`` holds one of each kind. The spec's own choices
+(transformers 5.24.0), ``stages.Float32Schedule`` and ``stages.DivideSC``, are included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..sampling import temperature as spec_temperature
+from ..stages import DivideSC, Float32Schedule
+
+
+# ------------------------------------------------------------------------------------------ T_n
+@dataclass(frozen=True)
+class DoubleSchedule:
+    """T_n as Python floats, ``t_min + (t_max - t_min) * (n / N)``, rounded once to float32 where it meets
+    the float32 logits."""
+
+    name: ClassVar[str] = "double"
+    source: ClassVar[str] = ("mlx-vlm _diffusion_linear_temperature, diffusers EntropyBoundScheduler, vLLM, "
+                             "SGLang: Python float, rounded to float32 when it meets the logits")
+
+    def __call__(self, step: int, max_steps: int, t_min: float, t_max: float) -> np.float32:
+        spec_temperature(step, max_steps, t_min, t_max)  # the same range check
+        return np.float32(t_min + (t_max - t_min) * (step / max_steps))
+
+
+@dataclass(frozen=True)
+class CFloatSchedule:
+    """T_n in C float arithmetic in llama.cpp's order, ``t_min + ((t_max - t_min) * n) / N``."""
+
+    name: ClassVar[str] = "c-float"
+    source: ClassVar[str] = "llama.cpp diffusion_generate_entropy_bound: t_min + (t_max - t_min) * n / S in float"
+
+    def __call__(self, step: int, max_steps: int, t_min: float, t_max: float) -> np.float32:
+        spec_temperature(step, max_steps, t_min, t_max)
+        lo, hi = np.float32(t_min), np.float32(t_max)
+        return np.float32(lo + np.float32(np.float32(np.float32(hi - lo) * np.float32(step)) / np.float32(max_steps)))
+
+
+# ------------------------------------------------------------------------------------------ SC input
+@dataclass(frozen=True)
+class MultiplyInverseSC:
+    """z * float32(1 / T) in float (llama.cpp's softmax(z * temp_inv))."""
+
+    name: ClassVar[str] = "multiply-inverse"
+    source: ClassVar[str] = "llama.cpp: softmax(z * temp_inv) with temp_inv = 1 / T in float"
+
+    def __call__(self, raw: np.ndarray, processed: np.ndarray, temp: np.float32 | None) -> np.ndarray:
+        if temp is None:
+            return processed
+        with np.errstate(over="ignore"):
+            return np.asarray(raw, dtype=np.float32) * np.float32(np.float32(1.0) / np.float32(temp))
+
+
+@dataclass(frozen=True)
+class RawSC:
+    """The raw logits z (diffusers' BlockRefinementScheduler passes the unscaled logits on)."""
+
+    name: ClassVar[str] = "raw"
+    source: ClassVar[str] = "diffusers BlockRefinementScheduler: pred_logits are the raw logits z"
+
+    def __call__(self, raw: np.ndarray, processed: np.ndarray, temp: np.float32 | None) -> np.ndarray:
+        return np.array(raw, dtype=np.float32, copy=True)
+
+
+FLOAT32_SCHEDULE, DOUBLE_SCHEDULE, C_FLOAT_SCHEDULE = Float32Schedule(), DoubleSchedule(), CFloatSchedule()
+DIVIDE, MULTIPLY_INVERSE, RAW = DivideSC(), MultiplyInverseSC(), RawSC()
+TEMPERATURES = {s.name: s for s in (FLOAT32_SCHEDULE, DOUBLE_SCHEDULE, C_FLOAT_SCHEDULE)}
+SC_INPUTS = {s.name: s for s in (DIVIDE, MULTIPLY_INVERSE, RAW)}
+
+
+@dataclass(frozen=True)
+class NoSchedule:
+    """No temperature: the logits are used as they are (diffusers' BlockRefinementScheduler never applies
+    the schedule; its drafts, entropies and self-conditioning see the raw logits)."""
+
+    name: ClassVar[str] = "none"
+    source: ClassVar[str] = "diffusers BlockRefinementScheduler: the temperature schedule is never applied"
+
+    def __call__(self, step: int, max_steps: int, t_min: float, t_max: float) -> None:
+        return None
+
+
+NO_SCHEDULE = NoSchedule()
+TEMPERATURES[NO_SCHEDULE.name] = NO_SCHEDULE
