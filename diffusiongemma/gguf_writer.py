@@ -56,7 +56,7 @@ import numpy as np
 from diffusiongemma.reference import InputError
 from diffusiongemma.reference.config import FULL, SLIDING, ModelConfig
 
-from .gguf import ARCHITECTURE, ROPE_FREQS, gguf_name
+from diffusiongemma.weights_converter.gguf import ARCHITECTURE, ROPE_FREQS, gguf_name
 
 __all__ = ["GGUF_TYPES", "GGUFSummary", "write_gguf", "write_model_gguf", "PASS_THROUGH_TEMPLATE"]
 
