@@ -254,7 +254,7 @@ def write_gguf(path, model, qtype=Q.F32, *, tensors=None, tokenizer=None, genera
     tensors = gguf_tensors(model) if tensors is None else tensors
     meta: list[tuple[str, str, object]] = [
         (f"{ARCH}.block_count", "u32", cfg.num_hidden_layers),
-        (f"{ARCH}.context_length", "u32", 131072),
+        (f"{ARCH}.context_length", "u32", cfg.max_position_embeddings),
         (f"{ARCH}.embedding_length", "u32", cfg.hidden_size),
         (f"{ARCH}.feed_forward_length", "u32", cfg.intermediate_size),
         (f"{ARCH}.attention.head_count", "u32", cfg.num_attention_heads),

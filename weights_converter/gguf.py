@@ -13,7 +13,7 @@ The layout reproduced is what llama.cpp's converter (``conversion/diffusion_gemm
   attention.head_count_kv, attention.key_length(_swa) = value_length(_swa), attention.sliding_window,
   per-layer bool attention.sliding_window_pattern, attention.layer_norm_rms_epsilon, rope.freq_base (full
   layers), rope.freq_base_swa (sliding layers; absent means rope.freq_base, as llama.cpp's loader does),
-  final_logit_softcapping), plus ``diffusion.canvas_length`` and the sampler defaults ``diffusion.eb_*``
+  final_logit_softcapping, context_length), plus ``diffusion.canvas_length`` and the sampler defaults ``diffusion.eb_*``
   (not arch-prefixed);
 * tensors named as in ``GGUF_NAMES`` below. The encoder contributes only its layer scalars
   (``blk.N.enc_layer_output_scale``); ``blk.N.layer_output_scale`` is the decoder's. The expert
@@ -31,9 +31,20 @@ Dequantization: every tensor type ``gguf.quants.dequantize`` handles (F32, F16, 
 K-quants Q2_K..Q6_K, the IQ types, ...) is widened to float32, one tensor at a time; tensor bytes are read
 with ``np.fromfile`` at the tensor's offset, so the file is never mapped in whole.
 
+Layout checks (``read_gguf_header``, before any metadata is interpreted): the header is walked with our own
+parser and refused with ``GGUFLayoutError`` (a ``CheckpointError``) naming the key or tensor and the expected
+and found values when the magic, version or byte order is wrong; a count disagrees with the bytes (a count one
+off is named as such); a string is not UTF-8 or runs past the end; a key or tensor name repeats; a value type,
+tensor type or bool byte is unknown; ``general.alignment`` is not a UINT32 power of two; ``n_dims`` is outside
+1..4 or ``ne[0]`` not a whole number of blocks; a tensor offset is misaligned, outside the data section,
+overlapping another tensor, or not where llama.cpp's loader expects it (back to back in header order, each
+padded to the alignment); the padding before the data section is not zero; bytes follow the last tensor.
+
 Errors: ``CheckpointError`` names the file and the key or tensor (another architecture, a missing,
 unknown or misshapen tensor, an unknown or non-dequantizable type, a truncated file, a metadata key of the
-wrong type); ``ConfigError`` comes from ``ModelConfig`` for values it rejects.
+wrong type, a value DiffusionGemma cannot honour: ``attention.causal`` true, shared KV layers, per-layer input
+embeddings, ``rope.dimension_count`` other than ``key_length``); ``ConfigError`` comes from ``ModelConfig``
+for values it rejects. ``context_length`` is the model's ``max_position_embeddings``.
 """
 
 from __future__ import annotations
@@ -111,44 +122,357 @@ def is_gguf_file(path: str | os.PathLike) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
+# ================================================================================================ layout
+class GGUFLayoutError(CheckpointError):
+    """A GGUF file whose header or tensor layout does not hold together: counts that disagree with the bytes,
+    a tensor offset that is misaligned, outside the data section or overlapping another tensor, a duplicate
+    name or key, a string that is not UTF-8, a bad ``general.alignment`` or ``n_dims``. The message names the
+    file, the key or tensor, and the expected and found values."""
+
+
+class _Problem(Exception):
+    """One layout problem found while walking a header (turned into ``GGUFLayoutError`` with the path)."""
+
+
+GGML_MAX_DIMS = 4  # llama.cpp refuses tensors of more dimensions
+GGML_MAX_NAME = 64  # llama.cpp's limit on a tensor name, terminating NUL included
+DEFAULT_ALIGNMENT = 32
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
+          12: "<f8"}
+_RAW_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+               "I32": np.int32, "I64": np.int64}  # other types are read as bytes (blocks), as gguf's reader does
+
+
+@dataclass
+class GGUFField:
+    """One metadata key/value pair: ``types`` is ``[type]`` or ``[ARRAY, element type]`` (GGUFValueType ids)."""
+
+    name: str
+    types: list[int]
+    value: Any
+    offset: int  # byte of the key in the file
+
+    def contents(self) -> Any:
+        return self.value
+
+
+@dataclass
+class GGUFTensorInfo:
+    """One tensor info of the header; ``shape`` is GGUF's ``ne`` (fastest dimension first)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    n_elements: int
+    n_bytes: int
+    offset: int  # from the start of the data section, as stored
+    data_offset: int = 0  # absolute byte in the file (filled once the data section is known)
+
+
+@dataclass
+class GGUFHeader:
+    version: int
+    alignment: int
+    fields: dict[str, GGUFField]
+    tensors: list[GGUFTensorInfo]
+    header_end: int  # first byte after the tensor infos
+    data_start: int  # header_end rounded up to the alignment
+
+
+class _Bytes:
+    """A cursor over the file's bytes (a memory map) that reports where a read ran out."""
+
+    def __init__(self, data, size: int):
+        self.data, self.size, self.pos = data, size, 0
+        self.where = "the header"
+
+    def take(self, n: int) -> bytes:
+        if n > self.size - self.pos:
+            raise _Problem(f"the file is truncated inside {self.where} (at byte {self.pos}, {n} more bytes needed, "
+                           f"the file has {self.size})")
+        self.pos += n
+        return self.data[self.pos - n:self.pos]
+
+    def unpack(self, fmt: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self, what: str) -> str:
+        start = self.pos
+        length = self.unpack("<Q")
+        if length > self.size - self.pos:
+            raise _Problem(f"the file is truncated inside {self.where}: {what} at byte {start} declares a string "
+                           f"of {length} bytes, but only {self.size - self.pos} bytes remain")
+        raw = self.take(length)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _Problem(f"{what} at byte {start} is not valid UTF-8 (byte {raw[exc.start]:#04x} at position "
+                           f"{exc.start} of {raw[:40]!r})") from None
+
+
+def _value(cur: _Bytes, kind: int, key: str):
+    """One value of GGUF type ``kind`` (scalars, strings; arrays handled by the caller)."""
+    if kind == _STRING:
+        return cur.string(f"the string value of metadata key {key!r}")
+    value = cur.unpack(_SCALAR[kind])
+    if kind == _BOOL:
+        if value not in (0, 1):
+            raise _Problem(f"metadata key {key!r} holds bool byte {value}, expected 0 or 1")
+        return bool(value)
+    return float(value) if kind in _FLOAT_TYPES else int(value)
+
+
+def _read_kv(cur: _Bytes, index: int, n_kv: int) -> GGUFField:
+    start = pos = cur.pos
+    cur.where = f"metadata key/value pair {index} of {n_kv}"
+    key = cur.string(f"the name of metadata key/value pair {index} of {n_kv}")
+    if not key:
+        raise _Problem(f"metadata key/value pair {index} of {n_kv} (byte {pos}) has an empty name")
+    cur.where = f"metadata key {key!r}"
+    kind = cur.unpack("<I")
+    if kind not in _TYPE_NAMES:
+        raise _Problem(f"metadata key {key!r} has unknown value type {kind} (known: 0..12)")
+    if kind != _ARRAY:
+        return GGUFField(key, [kind], _value(cur, kind, key), start)
+    element, count = cur.unpack("<I"), cur.unpack("<Q")
+    if element not in _TYPE_NAMES:
+        raise _Problem(f"metadata key {key!r} is an array of unknown value type {element} (known: 0..12)")
+    if element == _ARRAY:
+        raise _Problem(f"metadata key {key!r} is an array of arrays, which GGUF readers do not support")
+    least = 8 if element == _STRING else struct.calcsize(_SCALAR[element])
+    if count > (cur.size - cur.pos) // least:
+        raise _Problem(f"metadata key {key!r} declares an array of {count} {_TYPE_NAMES[element]} values, which "
+                       f"cannot fit in the {cur.size - cur.pos} bytes left in the file")
+    if element == _STRING:
+        values = _strings(cur, count, key)
+    else:
+        values = np.frombuffer(cur.take(count * least), dtype=_NUMPY[element]).tolist()
+        if element == _BOOL:
+            bad = [v for v in values if v not in (0, 1)]
+            if bad:
+                raise _Problem(f"metadata key {key!r} holds bool byte {bad[0]}, expected 0 or 1")
+            values = [bool(v) for v in values]
+        elif element in _FLOAT_TYPES:
+            values = [float(v) for v in values]
+    return GGUFField(key, [kind, element], values, start)
+
+
+_U64 = struct.Struct("<Q")
+
+
+def _strings(cur: _Bytes, count: int, key: str) -> list[str]:
+    """``count`` strings (a vocabulary: the hot loop of a header walk); a bad one is re-read by
+    ``_Bytes.string`` for its message."""
+    data, pos, size, unpack = cur.data, cur.pos, cur.size, _U64.unpack_from
+    values = []
+    append = values.append
+    for i in range(count):
+        start = pos
+        try:
+            if pos + 8 > size:
+                raise ValueError
+            n = unpack(data, pos)[0]
+            pos += 8
+            if n > size - pos:
+                raise ValueError
+            append(data[pos:pos + n].decode("utf-8"))
+            pos += n
+        except ValueError:  # UnicodeDecodeError included
+            cur.pos = start
+            cur.string(f"string {i} of metadata key {key!r}")
+            raise AssertionError("unreachable") from None
+    cur.pos = pos
+    return values
+
+
+def _read_tensor_info(cur: _Bytes, index: int, n_tensors: int) -> GGUFTensorInfo:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    pos = cur.pos
+    cur.where = f"tensor info {index} of {n_tensors}"
+    name = cur.string(f"the name of tensor info {index} of {n_tensors}")
+    if not name:
+        raise _Problem(f"tensor info {index} of {n_tensors} (byte {pos}) has an empty name")
+    if len(name.encode("utf-8")) >= GGML_MAX_NAME:
+        raise _Problem(f"tensor {name[:80]!r} has a name of {len(name.encode('utf-8'))} bytes, at most "
+                       f"{GGML_MAX_NAME - 1} are allowed")
+    cur.where = f"the info of tensor {name!r}"
+    n_dims = cur.unpack("<I")
+    if not 1 <= n_dims <= GGML_MAX_DIMS:
+        raise _Problem(f"tensor {name!r} has n_dims {n_dims}, expected 1..{GGML_MAX_DIMS}")
+    shape = tuple(cur.unpack("<Q") for _ in range(n_dims))
+    n_elements = 1
+    for n in shape:
+        if n >= 2 ** 63:
+            raise _Problem(f"tensor {name!r} has dimension {n} in ne {shape}, which is negative as int64")
+        n_elements *= n
+    if n_elements >= 2 ** 63:
+        raise _Problem(f"tensor {name!r} has ne {shape}: {n_elements} elements overflow int64")
+    type_id = cur.unpack("<I")
+    try:
+        qtype = GGMLQuantizationType(type_id)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise _Problem(f"tensor {name!r} has unknown ggml type id {type_id}") from None
+    if shape[0] % block:
+        raise _Problem(f"tensor {name!r} of type {qtype.name} has ne[0]={shape[0]}, not a multiple of the "
+                       f"type's block size {block}")
+    offset = cur.unpack("<Q")
+    return GGUFTensorInfo(name, shape, qtype, n_elements, n_elements // block * type_size, offset)
+
+
+def _walk(data, size: int, counts: tuple[int, int] | None = None) -> GGUFHeader:
+    """Parse and check the header and the tensor layout of a GGUF file; ``counts`` overrides the header's
+    (n_tensors, n_kv), which is how a wrong count is diagnosed. Raises ``_Problem``."""
+    cur = _Bytes(data, size)
+    magic = cur.take(4)
+    if magic != GGUF_MAGIC:
+        raise _Problem(f"not a GGUF file (magic bytes {magic!r}, expected {GGUF_MAGIC!r})")
+    version = cur.unpack("<I")
+    if version not in (2, 3):
+        if struct.unpack(">I", struct.pack("<I", version))[0] in (2, 3):
+            raise _Problem("a GGUF file of the other byte order (big-endian) is not supported")
+        raise _Problem(f"GGUF version {version} is not supported (2 or 3)")
+    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+    if counts is not None:
+        n_tensors, n_kv = counts
+    fields: dict[str, GGUFField] = {}
+    for i in range(n_kv):
+        field = _read_kv(cur, i, n_kv)
+        if field.name in fields:
+            raise _Problem(f"metadata key {field.name!r} appears twice (bytes {fields[field.name].offset} and "
+                           f"{field.offset})")
+        fields[field.name] = field
+    alignment = DEFAULT_ALIGNMENT
+    if "general.alignment" in fields:
+        field = fields["general.alignment"]
+        if field.types != [4]:
+            kind = "/".join(_TYPE_NAMES[t] for t in field.types)
+            raise _Problem(f"metadata key 'general.alignment' has type {kind}, expected UINT32")
+        alignment = field.value
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise _Problem(f"metadata key 'general.alignment' is {alignment}, expected a positive power of two")
+    tensors: list[GGUFTensorInfo] = []
+    names: dict[str, int] = {}
+    for i in range(n_tensors):
+        info = _read_tensor_info(cur, i, n_tensors)
+        if info.name in names:
+            raise _Problem(f"tensor {info.name!r} appears twice in the tensor infos (entries {names[info.name]} "
+                           f"and {i})")
+        names[info.name] = i
+        tensors.append(info)
+    header_end = cur.pos
+    data_start = -(-header_end // alignment) * alignment
+    if data_start > size and tensors:
+        raise _Problem(f"the file is truncated before the data section (it starts at byte {data_start}, the file "
+                       f"has {size})")
+    padding = bytes(data[header_end:min(data_start, size)])
+    if padding.strip(b"\0"):
+        raise _Problem(f"the {len(padding)} bytes between the tensor infos (ending at byte {header_end}) and the "
+                       f"data section (byte {data_start}) are not zero padding")
+    section = max(size - data_start, 0)
+    for t in tensors:
+        t.data_offset = data_start + t.offset
+        if t.offset % alignment:
+            raise _Problem(f"tensor {t.name!r} has data offset {t.offset}, not a multiple of the alignment "
+                           f"{alignment} (nearest aligned offsets {t.offset // alignment * alignment} and "
+                           f"{-(-t.offset // alignment) * alignment})")
+        if t.offset >= section and t.n_bytes:
+            raise _Problem(f"tensor {t.name!r} has data offset {t.offset}, outside the data section (bytes 0.."
+                           f"{section - 1}, from byte {data_start} to the end of the file)")
+        if t.offset + t.n_bytes > section:
+            raise _Problem(f"tensor {t.name!r} is truncated (its data ends at byte {t.data_offset + t.n_bytes}, "
+                           f"the file has {size} bytes)")
+    ordered = sorted((t for t in tensors if t.n_bytes), key=lambda t: (t.offset, names[t.name]))
+    for before, after in zip(ordered, ordered[1:]):
+        if after.offset < before.offset + before.n_bytes:
+            if after.offset == before.offset:
+                raise _Problem(f"tensors {before.name!r} and {after.name!r} point at the same bytes (data offset "
+                               f"{after.offset})")
+            raise _Problem(f"tensor {after.name!r} (data bytes {after.offset}..{after.offset + after.n_bytes - 1}) "
+                           f"overlaps tensor {before.name!r} (data bytes {before.offset}.."
+                           f"{before.offset + before.n_bytes - 1})")
+    expected = 0
+    for t in tensors:  # llama.cpp's rule: back to back in header order, each padded to the alignment
+        if t.offset != expected:
+            raise _Problem(f"tensor {t.name!r} has data offset {t.offset}, expected {expected} (tensors follow "
+                           f"one another in header order, each padded to {alignment} bytes)")
+        expected += -(-t.n_bytes // alignment) * alignment
+    if tensors and size > data_start + expected:
+        raise _Problem(f"the file has {size - data_start - expected} bytes after the data of its {len(tensors)} "
+                       f"tensors (the data section should end at byte {data_start + expected}, the file has {size})")
+    if not tensors and size > data_start:
+        raise _Problem(f"the file has {size - data_start} bytes after a header that lists no tensors")
+    return GGUFHeader(version, alignment, fields, tensors, header_end, data_start)
+
+
+def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
+    """The checked header of the GGUF file ``path`` (no tensor data read; the file is memory-mapped).
+
+    Refuses, with ``GGUFLayoutError`` naming the key or tensor: a bad magic, version or byte order; a count
+    that disagrees with the bytes (a retry with the count one off tells which); a truncated header; unknown
+    value or tensor types; strings that are not UTF-8; duplicate keys or tensor names; a ``general.alignment``
+    that is not a UINT32 power of two; ``n_dims`` outside 1..4; ``ne[0]`` not a whole number of blocks; a tensor
+    offset that is misaligned, outside the data section, overlapping another tensor, or not where llama.cpp's
+    layout puts it (back to back in header order); non-zero padding; bytes after the last tensor.
+    """
+    import mmap
+
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    try:
+        try:
+            return _walk(data, size)
+        except _Problem as problem:
+            declared = struct.unpack_from("<QQ", data, 8) if size >= 24 else None
+            if declared is not None:
+                n_tensors, n_kv = declared
+                for other in ((n_tensors, n_kv - 1), (n_tensors, n_kv + 1), (n_tensors - 1, n_kv),
+                              (n_tensors + 1, n_kv)):
+                    if min(other) < 0:
+                        continue
+                    try:
+                        _walk(data, size, other)
+                    except _Problem:
+                        continue
+                    what, found, said = (("tensor", other[0], n_tensors) if other[0] != n_tensors
+                                         else ("metadata key/value", other[1], n_kv))
+                    raise GGUFLayoutError(f"{path}: the header's {what} count is {said}, but the file holds "
+                                          f"{found} {what} entries (with {said}: {problem})") from None
+            raise GGUFLayoutError(f"{path}: {problem}") from None
+    finally:
+        if size:
+            data.close()
+
+
 # ================================================================================================ file
 @dataclass
 class GGUFCheckpoint:
     """The header-level view of a GGUF file: metadata fields and tensor infos (no tensor data read)."""
 
     path: str  # the .gguf file
-    fields: dict[str, Any]  # metadata key -> gguf ReaderField
-    tensors: dict[str, Any]  # GGUF tensor name -> gguf ReaderTensor (offset, type, ne)
+    fields: dict[str, GGUFField]  # metadata key -> field (types, contents())
+    tensors: dict[str, GGUFTensorInfo]  # GGUF tensor name -> tensor info (offset, type, ne)
     config: ModelConfig | None = None  # filled by ``open`` from the metadata
+    alignment: int = DEFAULT_ALIGNMENT
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "GGUFCheckpoint":
-        """Parse the header of ``path`` and build its ``ModelConfig``.
+        """Read and check the header of ``path`` (``read_gguf_header``) and build its ``ModelConfig``.
 
-        Raises ``CheckpointError`` for a file that is missing, not GGUF, truncated, of another architecture,
-        has an unknown tensor type or a metadata key of the wrong type, and ``ConfigError`` for values
-        ``ModelConfig`` rejects.
+        Raises ``CheckpointError`` (``GGUFLayoutError`` for the header and layout checks) for a file that is
+        missing, not GGUF, truncated, inconsistent, of another architecture, has an unknown tensor type or a
+        metadata key of the wrong type, and ``ConfigError`` for values ``ModelConfig`` rejects.
         """
-        try:
-            from gguf import GGUFReader
-        except ImportError as exc:  # pragma: no cover - gguf is an install requirement
-            raise CheckpointError(f"{path}: reading GGUF files needs the 'gguf' package (pip install gguf)") from exc
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise CheckpointError(f"GGUF file {path!r} does not exist")
-        try:
-            reader = GGUFReader(path, "r")
-        except Exception as exc:  # the reader raises ValueError/IndexError/KeyError on malformed headers
-            raise CheckpointError(_diagnose(path) or f"{path}: not a readable GGUF file ({exc})") from exc
-        if reader.byte_order != "I":  # tensor bytes are read directly below, in this machine's order
-            raise CheckpointError(f"{path}: a GGUF file of the other byte order (big-endian) is not supported")
-        size = os.path.getsize(path)
-        for tensor in reader.tensors:
-            if tensor.data_offset + tensor.n_bytes > size:
-                raise CheckpointError(f"{path}: tensor {tensor.name!r} is truncated (its data ends at byte "
-                                      f"{tensor.data_offset + tensor.n_bytes}, the file has {size} bytes)")
-        checkpoint = cls(path=path, fields=dict(reader.fields), tensors={t.name: t for t in reader.tensors})
-        del reader  # drop the memory map; tensor data is read with np.fromfile
+        header = read_gguf_header(path)
+        checkpoint = cls(path=path, fields=header.fields, tensors={t.name: t for t in header.tensors},
+                         alignment=header.alignment)
         arch = checkpoint.string("general.architecture")
         if arch != ARCHITECTURE:
             raise CheckpointError(f"{path}: general.architecture is {arch!r}, expected {ARCHITECTURE!r} "
@@ -225,7 +549,7 @@ class GGUFCheckpoint:
     # ------------------------------------------------------------------------------------- tensors
     def numpy_shape(self, name: str) -> tuple[int, ...]:
         """The numpy shape of GGUF tensor ``name`` (its ``ne`` reversed)."""
-        return tuple(int(n) for n in reversed(self.tensors[name].shape.tolist()))
+        return tuple(int(n) for n in reversed(self.tensors[name].shape))
 
     def read(self, name: str) -> np.ndarray:
         """GGUF tensor ``name`` dequantized to a float32 array of its numpy shape (a fresh copy)."""
@@ -235,8 +559,13 @@ class GGUFCheckpoint:
         qtype = GGMLQuantizationType(tensor.tensor_type)
         raw = np.fromfile(self.path, dtype=np.uint8, count=tensor.n_bytes, offset=tensor.data_offset)
         if raw.size != tensor.n_bytes:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is truncated")
-        data = raw.view(tensor.data.dtype).reshape(tensor.data.shape)
+            raise CheckpointError(f"{self.path}: tensor {name!r} is truncated (the file shrank after its header "
+                                  "was read)")
+        shape = self.numpy_shape(name)
+        if qtype.name in _RAW_DTYPES:
+            data = raw.view(_RAW_DTYPES[qtype.name]).reshape(shape)
+        else:  # blocks: rows of bytes, as gguf's reader hands them to ``quants.dequantize``
+            data = raw.reshape(quants.quant_shape_to_byte_shape(shape, qtype))
         try:
             if qtype == GGMLQuantizationType.F32:
                 out = data
@@ -247,7 +576,7 @@ class GGUFCheckpoint:
         except NotImplementedError as exc:
             raise CheckpointError(f"{self.path}: tensor {name!r} has type {qtype.name}, which the gguf package "
                                   "cannot dequantize") from exc
-        out = np.ascontiguousarray(out, dtype=np.float32).reshape(self.numpy_shape(name))
+        out = np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
         return out
 
 
@@ -326,6 +655,23 @@ def _read_config(checkpoint: GGUFCheckpoint) -> ModelConfig:
     if SLIDING in layer_types and rot_swa != dims[SLIDING]:
         raise CheckpointError(f"{path}: metadata key '{a}.rope.dimension_count_swa' ({rot_swa}) must equal "
                               f"key_length_swa ({dims[SLIDING]}): sliding layers rotate the whole head")
+    rot = checkpoint.integer(f"{a}.rope.dimension_count", dims[FULL])
+    if FULL in layer_types and rot != dims[FULL]:
+        raise CheckpointError(f"{path}: metadata key '{a}.rope.dimension_count' ({rot}) must equal key_length "
+                              f"({dims[FULL]}): full layers rotate a fraction of the head set by {ROPE_FREQS!r}")
+    context = checkpoint.integer(f"{a}.context_length")
+    if context <= 0:
+        raise CheckpointError(f"{path}: metadata key '{a}.context_length' must be positive, got {context}")
+    for key, supported in (("attention.causal", False), ("attention.shared_kv_layers", 0),
+                           ("embedding_length_per_layer_input", 0)):
+        field = checkpoint.fields.get(f"{a}.{key}")
+        if field is None:
+            continue
+        value = checkpoint.boolean(f"{a}.{key}") if isinstance(supported, bool) else checkpoint.integer(f"{a}.{key}")
+        if value != supported:
+            raise CheckpointError(f"{path}: metadata key '{a}.{key}' is {value!r}; DiffusionGemma needs "
+                                  f"{supported!r} (a bidirectional canvas, no shared KV layers, no per-layer "
+                                  "input embeddings)")
     theta = checkpoint.real(f"{a}.rope.freq_base")
     rope = {SLIDING: RopeParameters("default", checkpoint.real(f"{a}.rope.freq_base_swa", theta)),
             FULL: _full_rope(checkpoint, dims[FULL], theta)}
@@ -357,6 +703,7 @@ def _read_config(checkpoint: GGUFCheckpoint) -> ModelConfig:
         num_experts=checkpoint.integer(f"{a}.expert_count"),
         top_k_experts=checkpoint.integer(f"{a}.expert_used_count"),
         canvas_length=checkpoint.integer("diffusion.canvas_length"),
+        max_position_embeddings=context,
         pad_token_id=checkpoint.integer("tokenizer.ggml.padding_token_id", 0),
         bos_token_id=checkpoint.integer("tokenizer.ggml.bos_token_id", 2),
         eos_token_id=tuple(eos),
@@ -645,91 +992,3 @@ def _write_json(path: str, data: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
         f.write("\n")
-
-
-# ================================================================================================ diagnosis
-def _diagnose(path: str) -> str | None:
-    """Why the gguf reader refused ``path``, naming the key or tensor (``None`` when no cause is found).
-
-    A plain walk over the GGUF header (magic, version, counts, key/value pairs, tensor infos) that stops at the
-    first problem: a bad magic or version, an end of file inside the header, an unknown value type, an unknown
-    tensor type id, or tensor data running past the end of the file.
-    """
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        data = f.read(min(size, 64 * 1024 * 1024))  # headers are far smaller than this
-    pos = 0
-    where = "the header"
-
-    def take(n: int) -> bytes:
-        nonlocal pos
-        if pos + n > len(data):
-            raise EOFError
-        pos += n
-        return data[pos - n:pos]
-
-    def u32() -> int:
-        return struct.unpack("<I", take(4))[0]
-
-    def u64() -> int:
-        return struct.unpack("<Q", take(8))[0]
-
-    def string() -> str:
-        return take(u64()).decode("utf-8", "replace")
-
-    scalar = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-    def skip(kind: int, key: str) -> None:
-        if kind in scalar:
-            take(scalar[kind])
-        elif kind == _STRING:
-            string()
-        elif kind == _ARRAY:
-            sub, count = u32(), u64()
-            for _ in range(count):
-                skip(sub, key)
-        else:
-            raise ValueError(f"metadata key {key!r} has unknown value type {kind}")
-
-    try:
-        if take(4) != GGUF_MAGIC:
-            return f"{path}: not a GGUF file (bad magic bytes)"
-        version = u32()
-        if version not in (2, 3):
-            return f"{path}: GGUF version {version} is not supported (2 or 3)"
-        n_tensors, n_kv = u64(), u64()
-        alignment = 32
-        for _ in range(n_kv):
-            where = "the metadata"
-            key = string()
-            where = f"metadata key {key!r}"
-            kind = u32()
-            start = pos
-            skip(kind, key)
-            if key == "general.alignment" and kind == 4:
-                alignment = struct.unpack("<I", data[start:start + 4])[0]
-        infos = []
-        for _ in range(n_tensors):
-            where = "the tensor infos"
-            name = string()
-            where = f"the info of tensor {name!r}"
-            dims = [u64() for _ in range(u32())]
-            type_id, offset = u32(), u64()
-            try:
-                qtype = GGMLQuantizationType(type_id)
-            except ValueError:
-                return f"{path}: tensor {name!r} has unknown ggml type id {type_id}"
-            infos.append((name, dims, qtype, offset))
-        start = -(-pos // alignment) * alignment
-        for name, dims, qtype, offset in infos:
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            end = start + offset + math.prod(dims) * type_size // block
-            if end > size:
-                return f"{path}: tensor {name!r} is truncated (its data ends at byte {end}, the file has {size})"
-    except EOFError:
-        return f"{path}: the file is truncated inside {where} (after {pos} bytes)"
-    except ValueError as exc:
-        return f"{path}: {exc}"
-    return None
