@@ -167,6 +167,7 @@ setup(
         "mlx": ["mlx[cpu]>=0.32.4; sys_platform == 'linux'", "mlx>=0.32.4; sys_platform == 'darwin'",
                 "mlx-vlm>=0.7.10", "torch==2.13.0", "transformers==5.24.0"],  # crosscheck mlx-vlm (1.1 GB, 5 min)
         "diffusers": ["diffusers>=0.42.1", "torch==2.13.0", "transformers==5.24.0"],  # crosscheck diffusers
+        "jax": ["jax[cpu]>=0.5"],  # tests/test_jax_draws.py checks JaxDraws against jax.random (threefry partitionable)
         "gpu": ["cupy-cuda12x>=13"],  # CUDA 12 drivers
         "gpu-cuda13": ["cupy-cuda13x>=14"],  # CUDA 13 drivers
     },
