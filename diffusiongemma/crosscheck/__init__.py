@@ -11,9 +11,12 @@ the tolerance and the run comparison; ``report.py`` the report. What is compared
 
 * forward: three logits tensors on the same weights and inputs (``common``), against a tolerance measured
   from the reference's own float32 error;
-* generation: the peer's sampler against our loop run with that peer's semantics
-  (``reference.semantics``), with the peer's random draws replayed into ours, per configuration of the
-  peer's samplers; and, for each, where transformers' semantics would part from the peer;
+* generation, per configuration of the peer's samplers, with the peer's random draws replayed into ours:
+  teacher-forced forward (every decoder call of the peer repeated by our model on the peer's exact inputs:
+  canvas, self-conditioning input, cache built from the ids the peer encoded), our loop with the peer's
+  semantics run on the peer's own logits (every acceptance, renoise, stopping, commit and end-token
+  decision), and, as information, our free-running loop; and where transformers' semantics would part
+  from the peer on the same logits and draws;
 * the adaptations the peer needed (made in a temporary copy or on the loaded object) and the defects seen.
 
 Errors: ``PeerUnavailable`` (not installed, cannot load: the message has the install command) and
@@ -28,8 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from .common import (CallRecorder, PeerUnavailable, compare_runs, forward_inputs, forward_rows, reference_forward,
-                     tolerances)
+from . import variants
+from .common import (CallRecorder, PeerUnavailable, float64_twin, forward_inputs, forward_rows, free_run,
+                     reference_forward, sampler_check, teacher_forced, tolerances)
 from .report import Divergence, ForwardRow, GenerationRow, Report
 
 __all__ = ["crosscheck", "PEERS", "PeerUnavailable", "Report", "ForwardRow", "GenerationRow", "Divergence",
@@ -37,6 +41,7 @@ __all__ = ["crosscheck", "PEERS", "PeerUnavailable", "Report", "ForwardRow", "Ge
 
 PEERS = ("transformers", "mlx-vlm", "diffusers")
 TINY_MODEL = "tiny random checkpoint (built in a temporary directory; diffusiongemma.crosscheck.tiny)"
+LOOSE_CONFIDENCE = 1.5  # nats: the second run per configuration stops early with this (and stability 0)
 
 
 def peer_module(peer: str):
@@ -54,26 +59,22 @@ def peer_module(peer: str):
 
 def _configurations(peer: str) -> list[tuple[str, Any, dict]]:
     """(label, our semantics, peer options) for each sampler configuration compared."""
-    from diffusiongemma.reference.variants import SEMANTICS
-
     if peer == "mlx-vlm":
-        mlx = SEMANTICS["mlx-vlm"]
-        return [("mlx-vlm confidence-threshold 0.9 (its default), temperature 0", mlx,
+        return [("mlx-vlm confidence-threshold 0.9 (its default), temperature 0", variants.semantics("mlx-vlm"),
                  {"sampler": "confidence-threshold", "threshold": 0.9}),
-                ("mlx-vlm entropy-bound, temperature 0", mlx.replace(name="mlx-vlm", sampler="entropy-bound"),
+                ("mlx-vlm entropy-bound, temperature 0", variants.semantics("mlx-vlm", sampler="entropy-bound"),
                  {"sampler": "entropy-bound"})]
     if peer == "diffusers":
-        d = SEMANTICS["diffusers"]
-        return [("diffusers EntropyBoundScheduler", d, {"scheduler": "entropy-bound"}),
+        return [("diffusers EntropyBoundScheduler", variants.semantics("diffusers"), {"scheduler": "entropy-bound"}),
                 ("diffusers BlockRefinementScheduler 0.95, temperature 0",
-                 d.replace(sampler="block-refinement", temperature="none", sc_temperature="raw", denoiser_draw="argmax",
-                           threshold=0.95),
+                 variants.semantics("diffusers", sampler="block-refinement", temperature="none", sc_temperature="raw",
+                                    denoiser_draw="argmax", threshold=0.95),
                  {"scheduler": "block-refinement", "threshold": 0.95})]
-    return [("transformers generate, entropy-bound, seeded", SEMANTICS["transformers"], {})]
+    return [("transformers generate, entropy-bound, seeded", variants.semantics("transformers"), {})]
 
 
 def _settings(model_dir: str, model: Any, canvases: int):
-    from diffusiongemma.reference.generation_config import GenerationConfig
+    from diffusiongemma.reference import GenerationConfig
 
     try:
         settings = GenerationConfig.from_pretrained(model_dir)
@@ -93,21 +94,11 @@ def _image_token_id(model_dir: str, vocab_size: int) -> int | None:
     return int(value) if isinstance(value, int) and 0 <= value < vocab_size else None
 
 
-def _describe_semantics(semantics: Any) -> str:
-    from diffusiongemma.reference.variants import SEMANTICS
-
-    base = SEMANTICS.get(semantics.name)
-    changed = {k: v for k, v in semantics.switches().items() if base is None or getattr(base, k) != v}
-    extra = "" if not changed else " with " + ", ".join(f"{k}={v}" for k, v in changed.items())
-    return semantics.name + extra
-
-
 def _run_ours(model: Any, prompt: np.ndarray, settings: Any, semantics: Any, tape: list,
               calls_out: list | None = None) -> tuple[list, list]:
-    """Our loop with ``semantics`` and the peer's draws replayed; returns (output tokens, decoder calls).
-    ``calls_out``: a list that receives the decoder calls as they happen (kept when the replay fails)."""
-    from diffusiongemma.reference.support.replay import ReplayDraws
-    from diffusiongemma.reference.generate import generate
+    """Our free-running loop with ``semantics`` and the peer's draws replayed; returns (output tokens, decoder
+    calls). ``calls_out``: a list that receives the decoder calls as they happen (kept when the replay fails)."""
+    from diffusiongemma.reference import ReplayDraws, generate
 
     recorder = CallRecorder(model.denoise)
     if calls_out is not None:
@@ -120,7 +111,47 @@ def _run_ours(model: Any, prompt: np.ndarray, settings: Any, semantics: Any, tap
     result = generate(model, prompt, generation_config=settings, semantics=semantics, random=ReplayDraws(tape),
                       denoiser=recorder, callback=_Canvases())
     new = [int(t) for t in result.sequences[0, prompt.shape[1]:]]
-    return semantics.eos.trim(new, settings.eos_token_id, settings.max_new_tokens), recorder.calls
+    return variants.trim_output(semantics, new, settings.eos_token_id, settings.max_new_tokens), recorder.calls
+
+
+def compare_generation(model: Any, prompt: np.ndarray, settings: Any, semantics: Any, run: Any, label: str,
+                       peer_layers: Any = None, twin: Any = None, context_map: Any = None) -> GenerationRow:
+    """The three comparisons of one peer run (``common``): teacher-forced forward and the sampler on the
+    peer's logits decide; the free run is information."""
+    row = GenerationRow(label=label, semantics=variants.describe(semantics), draws="replayed",
+                        peer_tokens=list(run.tokens))
+    row.teacher_forced, forward = teacher_forced(model, run, prompt, peer_layers, twin, context_map)
+    row.notes.extend(f"teacher forcing, context {n} (a known difference, see the probe row)"
+                     for n in row.teacher_forced.pop("context_notes", []))
+    row.sampler, decision = sampler_check(model, prompt, settings, semantics, run)
+    row.sampler.pop("our_tokens", None)
+    if decision is not None and decision.stage == "tie":
+        row.notes.append(f"the sampler check stopped at a float32 tie: {decision.cause}")
+        decision = None
+    if run.sc_note:
+        row.notes.append(run.sc_note)
+    row.divergence = forward or decision
+    calls: list = []
+    try:
+        row.our_tokens, calls = _run_ours(model, prompt, settings, semantics, run.tape, calls)
+        replay = None
+    except Exception as exc:  # our free run took another path, and the peer's draws no longer fit it
+        replay = str(exc)
+    row.free_run = free_run(run, calls, row.our_tokens, int(model.config.canvas_length))
+    if replay is not None:
+        row.free_run["replay"] = f"our free run stopped: the peer's draws no longer fit its path ({replay})"
+    row.canvases = row.free_run.pop("canvases")
+    if row.divergence is None and (not row.free_run["agree"] or replay is not None):
+        drift = row.free_run.get("first_drift")
+        parted = row.free_run.get("parted") or {}
+        row.notes.append(
+            "the free run parted from the peer's"
+            + (f" at canvas {parted['canvas']} step {parted['step']}" if parted.get("canvas", -1) >= 0 else "")
+            + ", while every decoder call on the peer's inputs and every sampler decision on its logits agreed: "
+            "float32 rounding amplified through the self-conditioning feedback"
+            + (f" (the inputs first drifted at canvas {drift['canvas']} step {drift['step']}, "
+               f"{drift['input']} max |d| {drift['max_abs_diff']:.1e})" if drift else ""))
+    return row
 
 
 def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: int = 0, canvases: int = 2,
@@ -134,19 +165,20 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
     """
     module = peer_module(peer)
     peer_version = module.version()
-    from diffusiongemma.reference.model import Model
+    from diffusiongemma.reference import Model
 
     with tempfile.TemporaryDirectory(prefix="diffusiongemma-crosscheck-", dir=workdir) as tmp:
         if model_dir is None:
-            from .tiny import TinySettings, write_tiny_checkpoint
+            from .tiny import write_tiny_checkpoint
 
-            model_dir, label = write_tiny_checkpoint(os.path.join(tmp, "tiny"), TinySettings()), TINY_MODEL
+            model_dir, label = write_tiny_checkpoint(os.path.join(tmp, "tiny")), TINY_MODEL
         else:
             model_dir, label = os.fspath(model_dir), os.fspath(model_dir)
             if not os.path.isfile(os.path.join(model_dir, "config.json")):
                 raise PeerUnavailable(f"{model_dir!r} is not a transformers-layout checkpoint (no config.json); "
                                       "the peers read only that layout")
         ours_model = Model.from_pretrained(model_dir)
+        twin = float64_twin(ours_model)
         adapter = module.Peer(model_dir, tmp)
         settings = _settings(model_dir, ours_model, canvases)
         x = forward_inputs(ours_model.config, seed, settings.t_max if settings.t_max is not None else 1.0,
@@ -155,31 +187,24 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
         tol, note = tolerances(ours_model, x, ours)
         report = Report(peer=peer, peer_version=peer_version, model=label, tolerance_note=note,
                         forward=forward_rows(ours, adapter.forward(x), tol))
-        logit_tol = max(tol.values())
-        C = int(ours_model.config.canvas_length)
-        from diffusiongemma.reference.variants import SEMANTICS
-
         # A second run per configuration with loose stopping (stability 0, confidence 1.5 nats), so that rows
         # stop early and the stopping rules (and diffusers' reading of stability 0 as 1) are compared too.
-        early = settings.replace(confidence_threshold=max(1.5, settings.confidence_threshold or 0.0),
+        early = settings.replace(confidence_threshold=max(LOOSE_CONFIDENCE, settings.confidence_threshold or 0.0),
                                  stability_threshold=0)
         runs = [(label_k, semantics, options, settings) for label_k, semantics, options in _configurations(peer)]
         runs += [(label_k + f"; early stopping (stability 0, confidence {early.confidence_threshold})", semantics,
                   options, early) for label_k, semantics, options in _configurations(peer)]
-        for label_k, semantics, options, settings in runs:
-            run = adapter.generate(x.prompt, settings, seed, options)
-            row = GenerationRow(label=label_k, semantics=_describe_semantics(semantics), draws="replayed",
-                                peer_tokens=run.tokens)
-            try:
-                row.our_tokens, calls = _run_ours(ours_model, x.prompt, settings, semantics, run.tape)
-                row.canvases, row.divergence = compare_runs(run, calls, row.our_tokens, C, logit_tol)
-            except Exception as exc:  # a replay that does not fit is a finding, not a crash
-                row.divergence = Divergence(-1, -1, -1, -1, -1, f"our run could not replay the peer's draws: {exc}")
-            report.generation.append(row)
-            if semantics.name != "transformers" or not semantics.runs_on_any_backend:
-                report.defects.extend(_versus_transformers(ours_model, x.prompt, settings, run, label_k, C,
-                                                           logit_tol, SEMANTICS["transformers"]))
+        peer_layers = getattr(adapter, "layer_outputs", None)
         probe = next((r for r in report.forward if r.probe), None)
+        context_map = None
+        if probe is not None and not probe.ok and hasattr(adapter, "context_map"):  # the peer's own encoding rule
+            context_map = adapter.context_map(x.image_token_id, getattr(ours_model.config, "pad_token_id", None))
+        for label_k, semantics, options, run_settings in runs:
+            run = adapter.generate(x.prompt, run_settings, seed, options)
+            report.generation.append(compare_generation(ours_model, x.prompt, run_settings, semantics, run, label_k,
+                                                        peer_layers, twin, context_map))
+            if not variants.is_transformers(semantics):
+                report.defects.append(_versus_transformers(ours_model, x.prompt, run_settings, run, label_k))
         if probe is not None and not probe.ok:
             report.defects.append(f"the image placeholder id {x.image_token_id} in a text-only context is encoded "
                                   f"differently from transformers (max |d| {probe.max_abs_diff:.2e} on the next "
@@ -189,24 +214,14 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
         return report
 
 
-def _versus_transformers(model, prompt, settings, run, label, C, tol, semantics) -> list[str]:
-    """Where transformers' semantics would part from the peer on the same draws (a known difference)."""
+def _versus_transformers(model, prompt, settings, run, label) -> str:
+    """Where transformers' semantics would part from the peer on the peer's own logits and draws."""
     if not any(kind == "categorical" for kind, _ in run.tape):
-        return [f"{label}: differs from transformers by construction: its proposals are argmaxes (temperature 0), "
-                "transformers draws them from the tempered distribution"]
-    calls: list = []
-    try:
-        tokens, calls = _run_ours(model, prompt, settings, semantics, run.tape, calls)
-    except Exception as exc:  # the draws stop lining up: the runs took different paths before that
-        _, divergence = compare_runs(run, calls, [], C, tol)
-        if divergence is None or divergence.cause.startswith("output length"):
-            return [f"{label} vs transformers semantics: the peer's draws stop lining up ({exc})"]
-        tokens = None
-    if tokens is not None:
-        _, divergence = compare_runs(run, calls, tokens, C, tol)
-    if divergence is None:
-        return [f"{label}: identical to transformers semantics on this run"]
-    d = divergence
+        return (f"{label}: differs from transformers by construction: its proposals are argmaxes (temperature 0), "
+                "transformers draws them from the tempered distribution")
+    _, d = sampler_check(model, prompt, settings, variants.semantics("transformers"), run)
+    if d is None:
+        return f"{label}: identical to transformers semantics on this run"
     where = "the committed canvas" if d.step < 0 else f"step {d.step}"
-    return [f"{label} vs transformers semantics: first difference at canvas {d.canvas}, {where}, "
-            f"position {d.position}: {d.cause}"]
+    return (f"{label} vs transformers semantics: first difference at canvas {d.canvas}, {where}, "
+            f"position {d.position}, stage {d.stage}: {d.cause}")

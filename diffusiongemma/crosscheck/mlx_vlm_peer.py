@@ -4,11 +4,17 @@ Adaptations (all in a temporary copy of the checkpoint, never in the user's dire
 
 * mlx-vlm reads the full layers' head size and KV heads only from ``text_config.global_head_dim`` /
   ``num_global_key_value_heads`` (defaulting to the 26B model's 512 / 2); transformers 5.24 writes them
-  into ``per_layer_config`` instead. The copy gets the two keys from ``per_layer_config``.
+  into ``per_layer_config`` instead. The copy gets the two keys from ``per_layer_config`` read as
+  transformers reads it (``full_layer_shape``: a key an entry leaves out keeps ``text_config``'s value).
 * The generation settings are handed to mlx-vlm explicitly (``model.config.generation_config``), so both
   sides run the same N, t_min/t_max, bound and thresholds.
 * A tokenizer with mlx-vlm's ``StoppingCriteria`` and streaming detokenizer is built from the checkpoint's
-  ``tokenizer.json`` (mlx-vlm's own loader wants a full processor).
+  ``tokenizer.json`` (mlx-vlm's own loader wants a full processor); a checkpoint without one gets a
+  word-level stand-in in the copy.
+
+Teacher forcing: the ids given to ``diffusion_prefill_cache`` / ``diffusion_update_cache`` are the
+context; the logits given to ``diffusion_self_conditioning`` are the next decoder call's self-conditioning
+input.
 
 Random draws: mlx-vlm makes every uniform draw (initial canvas, renoise) through one module function,
 ``_diffusion_initialize_canvas``; the adapter records its results and replays them into our loop. At
@@ -29,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import ForwardInputs, PeerRun, PeerUnavailable, run_forward
+from .common import Call, ForwardInputs, PeerRun, PeerUnavailable, run_forward
 
 NAME = "mlx-vlm"
 SEMANTICS = "mlx-vlm"
@@ -47,6 +53,37 @@ def version() -> str:
     return f"{dist_version('mlx-vlm')} (mlx {dist_version('mlx')})"
 
 
+def full_layer_shape(text: dict) -> tuple[int, int] | None:
+    """(head_dim, num_key_value_heads) of the full-attention layers as transformers reads them: a layer's
+    ``per_layer_config`` entry overrides ``text_config``, and a key the entry leaves out (or a layer without
+    an entry) keeps ``text_config``'s value. None when there is no ``per_layer_config`` (transformers then
+    converted ``global_head_dim`` / ``num_global_key_value_heads`` itself). Raises ``PeerUnavailable`` when
+    mlx-vlm cannot express the layout (one size for every full layer, nothing per sliding layer)."""
+    per_layer = text.get("per_layer_config")
+    if not per_layer:
+        return None
+    if not isinstance(per_layer, dict):
+        raise PeerUnavailable(f"text_config.per_layer_config must be an object, got {per_layer!r:.60}")
+    types = list(text.get("layer_types") or [])
+    shapes, sliding = {}, []
+    for i, kind in enumerate(types):
+        over = per_layer.get(str(i), per_layer.get(i)) or {}
+        if kind == "full_attention":
+            shapes[i] = (int(over.get("head_dim", text.get("head_dim", 256))),
+                         int(over.get("num_key_value_heads", text.get("num_key_value_heads", 8))))
+        elif over:
+            sliding.append(i)
+    if sliding:
+        raise PeerUnavailable(f"per_layer_config overrides sliding layer(s) {sliding}; mlx-vlm reads one shape "
+                              "for every sliding layer (text_config) and cannot load this checkpoint")
+    distinct = sorted(set(shapes.values()))
+    if len(distinct) > 1:
+        raise PeerUnavailable(f"the full-attention layers have different (head_dim, num_key_value_heads) "
+                              f"{distinct} in per_layer_config; mlx-vlm reads one global_head_dim / "
+                              "num_global_key_value_heads for all of them and cannot load this checkpoint")
+    return distinct[0] if distinct else None
+
+
 def adapt_checkpoint(model_dir: str, workdir: str) -> tuple[str, list[str]]:
     """Copy the checkpoint into ``workdir`` and add what mlx-vlm needs; returns (copy, adaptations)."""
     target = os.path.join(workdir, "mlx-vlm-checkpoint")
@@ -55,16 +92,21 @@ def adapt_checkpoint(model_dir: str, workdir: str) -> tuple[str, list[str]]:
     with open(os.path.join(target, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     text = config.get("text_config", {})
-    per_layer = text.get("per_layer_config") or {}
-    full = [v for v in per_layer.values() if isinstance(v, dict)]
-    if full and "global_head_dim" not in text:
-        text["global_head_dim"] = int(full[0]["head_dim"])
-        text["num_global_key_value_heads"] = int(full[0]["num_key_value_heads"])
-        done.append(f"config.json (temporary copy): text_config.global_head_dim={text['global_head_dim']} and "
-                    f"num_global_key_value_heads={text['num_global_key_value_heads']} added from per_layer_config "
-                    "(mlx-vlm ignores per_layer_config and would assume 512 / 2)")
+    shape = full_layer_shape(text)
+    if shape is not None:
+        text["global_head_dim"], text["num_global_key_value_heads"] = shape
+        done.append(f"config.json (temporary copy): text_config.global_head_dim={shape[0]} and "
+                    f"num_global_key_value_heads={shape[1]} set from per_layer_config as transformers reads it "
+                    "(missing keys fall back to text_config; mlx-vlm ignores per_layer_config and would assume "
+                    "512 / 2)")
     with open(os.path.join(target, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
+    if not os.path.isfile(os.path.join(target, "tokenizer.json")) and isinstance(text.get("vocab_size"), int):
+        from diffusiongemma.tiny import write_word_tokenizer
+
+        write_word_tokenizer(target, text["vocab_size"])
+        done.append("tokenizer.json (temporary copy): the checkpoint has none and mlx-vlm's generate needs one; "
+                    "a word-level stand-in with one token per id (the cross-check compares ids, never text)")
     return target, done
 
 
@@ -89,6 +131,23 @@ class Peer:
             raise PeerUnavailable(f"mlx-vlm cannot load {model_dir!r}: {exc}") from None
         self.defects: list[str] = []
         self.adaptations.append("run on mlx's CPU device, float32 weights as stored")
+
+    @staticmethod
+    def context_map(image_token_id: int | None, pad_token_id: int | None):
+        """mlx-vlm's encoding rule for a text-only context: the image placeholder id is embedded as the pad
+        id (known difference 2 in docs/PEERS.md); None when there is nothing to rewrite."""
+        if image_token_id is None or pad_token_id is None:
+            return None
+
+        def rewrite(ids: np.ndarray):
+            hits = np.flatnonzero(np.asarray(ids).ravel() == image_token_id)
+            if hits.size == 0:
+                return ids, None
+            out = np.where(ids == image_token_id, pad_token_id, ids)
+            return out, (f"the image placeholder id {image_token_id} at position(s) {hits.tolist()} encoded as the "
+                         f"pad id {pad_token_id}, as mlx-vlm does")
+
+        return rewrite
 
     # -------------------------------------------------------------------------------------- forward
     def _denoise(self, cache, canvas: np.ndarray, sc: np.ndarray | None) -> np.ndarray:
@@ -146,7 +205,6 @@ class Peer:
         from mlx_vlm.generate import diffusion as engine
 
         m = self.model
-        C = int(m.config.canvas_length)
         m.config.generation_config = {
             "max_new_tokens": settings.max_new_tokens, "max_denoising_steps": settings.max_denoising_steps,
             "t_min": settings.t_min, "t_max": settings.t_max,
@@ -167,12 +225,33 @@ class Peer:
             return out
 
         logits_fn = m.diffusion_decoder_logits
+        sc_fn, prefill_fn, update_fn = (m.diffusion_self_conditioning, m.diffusion_prefill_cache,
+                                        m.diffusion_update_cache)
+        pending = {"sc": None}  # the logits the engine turned into the next call's self-conditioning signal
+
+        def recording_sc(logits, *args, **kw):
+            pending["sc"] = np.array(mx.array(logits).astype(mx.float32))
+            return sc_fn(logits, *args, **kw)
+
+        def recording_prefill(ids, *args, **kw):
+            run.contexts.append(np.array(ids).astype(np.int64).reshape(1, -1))
+            return prefill_fn(ids, *args, **kw)
+
+        def recording_update(ids, *args, **kw):
+            run.contexts.append(np.array(ids).astype(np.int64).reshape(1, -1))
+            return update_fn(ids, *args, **kw)
 
         def recording_logits(canvas, cache=None, self_conditioning=None, decoder_attention_mask=None):
             out = logits_fn(canvas, cache=cache, self_conditioning=self_conditioning,
                             decoder_attention_mask=decoder_attention_mask)
-            run.calls.append((position["canvas"], position["step"], np.array(canvas).astype(np.int64),
-                              np.array(out.astype(mx.float32))))
+            known = self_conditioning is None or pending["sc"] is not None
+            if not known:
+                run.sc_note = ("mlx-vlm built a self-conditioning signal without diffusion_self_conditioning; those "
+                               "decoder calls are not teacher-forced")
+            run.calls.append(Call(position["canvas"], position["step"], np.array(canvas).astype(np.int64),
+                                  None if self_conditioning is None else pending["sc"],
+                                  np.array(out.astype(mx.float32)), sc_known=known))
+            pending["sc"] = None
             position["step"] += 1
             run.steps_per_canvas[-1] += 1
             return out
@@ -192,6 +271,8 @@ class Peer:
         engine._diffusion_initialize_canvas = recording_draw
         m.diffusion_decoder_logits = recording_logits
         m.diffusion_decoder_masks = new_canvas_masks
+        m.diffusion_self_conditioning = recording_sc
+        m.diffusion_prefill_cache, m.diffusion_update_cache = recording_prefill, recording_update
         try:
             mx.random.seed(seed)
             tok = self._tokenizer(list(settings.eos_token_id))
@@ -206,8 +287,9 @@ class Peer:
                     tokens.append(int(r.token))
         finally:
             engine._diffusion_initialize_canvas = draw_canvas
-            del m.diffusion_decoder_logits
-            del m.diffusion_decoder_masks
+            for name in ("diffusion_decoder_logits", "diffusion_decoder_masks", "diffusion_self_conditioning",
+                         "diffusion_prefill_cache", "diffusion_update_cache"):
+                delattr(m, name)
         self._pad_last_renoise(run)
         run.tokens = tokens
         return run

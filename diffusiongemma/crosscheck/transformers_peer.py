@@ -1,9 +1,11 @@
 """Peer adapter: transformers 5.24.0 ``DiffusionGemmaForBlockDiffusion`` (the ground truth).
 
 Forward: the encoder into a ``DynamicCache``, the decoder at explicit positions, ``lm_head`` and the final
-soft-cap, as ``generate`` calls them. Generation: ``model.generate`` with torch's RNG seeded; every
+soft-cap, as ``generate`` calls them (``hf_cache`` / ``hf_encode`` / ``hf_denoise``; the benchmarks use them
+too); ``layer_outputs`` gives every decoder layer's output, to localise a difference. Generation: ``model.generate`` with torch's RNG seeded; every
 ``torch.randint`` / ``torch.multinomial`` result is recorded (their order is the draw contract, SPEC §8.3)
-and replayed into our loop, so sampler decisions are compared exactly. Semantics on our side:
+and replayed into our loop, so sampler decisions are compared exactly; every decoder call is kept with its
+inputs (canvas, self-conditioning logits), with the ids its encoder was given and the cache it read. Semantics on our side:
 ``transformers``. No adaptation is needed.
 """
 
@@ -18,6 +20,45 @@ from .common import ForwardInputs, PeerRun, PeerUnavailable, TorchDrawRecorder, 
 NAME = "transformers"
 SEMANTICS = "transformers"
 INSTALL = 'pip install -e ".[test]"   (torch 2.13.0 CPU, transformers 5.24.0)'
+
+
+def hf_cache(model):
+    """An empty ``DynamicCache`` for a transformers DiffusionGemma."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config.text_config)
+
+
+def hf_encode(model, cache, ids: np.ndarray, full_mask: np.ndarray | None = None) -> np.ndarray:
+    """Encode ``ids`` (B, n) into ``cache`` at the next positions, as ``generate`` does; returns the encoder's
+    last hidden state. ``full_mask`` (B, L + n): the attention mask of everything encoded so far."""
+    import torch
+
+    past = cache.get_seq_length()
+    extra = {} if full_mask is None else {"attention_mask": torch.tensor(full_mask, dtype=torch.long)}
+    with torch.no_grad():
+        out = model.model.encoder.language_model(input_ids=torch.tensor(ids), cache=cache,
+                                                 position_ids=torch.arange(past, past + ids.shape[1])[None], **extra)
+    return out.last_hidden_state.numpy()
+
+
+def hf_denoise(model, cache, canvas: np.ndarray, sc: np.ndarray | None = None,
+               full_mask: np.ndarray | None = None) -> np.ndarray:
+    """Soft-capped float32 logits (B, C, V) of one decoder pass over ``canvas`` at positions L .. L + C - 1,
+    with self-conditioning input ``sc`` (B, C, V) or None; ``full_mask`` (B, L + C): the decoder mask."""
+    import torch
+
+    L, C = cache.get_seq_length(), canvas.shape[1]
+    extra = {} if sc is None else {"self_conditioning_logits": torch.tensor(sc)}
+    if full_mask is not None:
+        extra["decoder_attention_mask"] = torch.tensor(full_mask, dtype=torch.long)
+    with torch.no_grad():
+        out = model.model.decoder(decoder_input_ids=torch.tensor(canvas), cache=cache,
+                                  decoder_position_ids=torch.arange(L, L + C)[None], **extra)
+        logits = model.lm_head(out.last_hidden_state).float()
+        cap = model.config.text_config.final_logit_softcapping
+        logits = cap * torch.tanh(logits / cap)
+    return logits.numpy()
 
 
 def version() -> str:
@@ -50,30 +91,30 @@ class Peer:
 
     # -------------------------------------------------------------------------------------- forward
     def _cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config.text_config)
+        return hf_cache(self.model)
 
     def _encode(self, cache, ids: np.ndarray) -> None:
-        import torch
-
-        past = cache.get_seq_length()
-        with torch.no_grad():
-            self.model.model.encoder.language_model(input_ids=torch.tensor(ids), cache=cache,
-                                                    position_ids=torch.arange(past, past + ids.shape[1])[None])
+        hf_encode(self.model, cache, ids)
 
     def _denoise(self, cache, canvas: np.ndarray, sc: np.ndarray | None) -> np.ndarray:
-        import torch
+        return hf_denoise(self.model, cache, canvas, sc)
 
-        L, C = cache.get_seq_length(), canvas.shape[1]
-        extra = {} if sc is None else {"self_conditioning_logits": torch.tensor(sc)}
-        with torch.no_grad():
-            out = self.model.model.decoder(decoder_input_ids=torch.tensor(canvas), cache=cache,
-                                           decoder_position_ids=torch.arange(L, L + C)[None], **extra)
-            logits = self.model.lm_head(out.last_hidden_state).float()
-            cap = self.model.config.text_config.final_logit_softcapping
-            logits = cap * torch.tanh(logits / cap)
-        return logits.numpy()
+    def layer_outputs(self, contexts: list, canvas: np.ndarray, sc: np.ndarray | None) -> list[np.ndarray]:
+        """[decoder input (after self-conditioning), output of decoder layer 0, 1, ...] for ``canvas`` after
+        encoding ``contexts`` (each (1, n) int64), as float32 arrays (1, C, H)."""
+        cache = self._cache()
+        for ids in contexts:
+            self._encode(cache, np.asarray(ids))
+        decoder, out = self.model.model.decoder, []
+        hooks = [decoder.self_conditioning.register_forward_hook(lambda m, a, o: out.append(o))]
+        hooks += [layer.register_forward_hook(lambda m, a, o: out.append(o[0] if isinstance(o, tuple) else o))
+                  for layer in decoder.layers]
+        try:
+            self._denoise(cache, canvas, sc)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return [t.detach().float().numpy() for t in out]
 
     def forward(self, x: ForwardInputs) -> dict[str, np.ndarray]:
         def encode(cache, ids):
