@@ -157,6 +157,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=7",
+            "pytest-randomly>=3.15",  # every run in a random order, its seed printed (-p randomly --randomly-seed=N replays it)
             "hypothesis>=6.80",
             "torch==2.13.0",
             "transformers==5.24.0",
@@ -165,7 +166,7 @@ setup(
         ],
         "plot": ["matplotlib>=3.7"],  # diffusiongemma plot (pictures of the denoising)
         "mlx": ["mlx[cpu]>=0.32.4; sys_platform == 'linux'", "mlx>=0.32.4; sys_platform == 'darwin'",
-                "mlx-vlm>=0.7.10", "torch==2.13.0", "transformers==5.24.0"],  # crosscheck mlx-vlm (1.1 GB, 5 min)
+                "mlx-vlm>=0.7.10", "torch==2.13.0", "transformers==5.24.0"],  # crosscheck mlx-vlm (venv 1.9 GB, 3.9 min)
         "diffusers": ["diffusers>=0.42.1", "torch==2.13.0", "transformers==5.24.0"],  # crosscheck diffusers
         "jax": ["jax[cpu]>=0.5"],  # tests/test_jax_draws.py checks JaxDraws against jax.random (threefry partitionable)
         "gpu": ["cupy-cuda12x>=13"],  # CUDA 12 drivers

@@ -83,11 +83,21 @@ def test_console_script_installed():
 
 @pytest.mark.parametrize("args,message", [
     (["generate", "   "], "prompt is empty"),
-    (["generate", "hi", "--model", "/nonexistent/dir"], "no tokenizer.json"),
+    (["generate", "hi", "--model", "/nonexistent/dir"], "-m/--model /nonexistent/dir: no such file or directory"),
+    (["generate", "hi", "--model", "google/diffusiongemma-26B-A4B-it"], "nothing is downloaded at run time"),
+    (["trace", "--prompt", "hi", "-o", "unused.trace", "--model", "google/x"], "nothing is downloaded at run time"),
+    (["generate", "hi", "--greedy", "--backend", "cpu"], "--greedy (--temp 0) runs on the reference's"),
 ])
-def test_errors_exit_2_with_message(capsys, args, message):
+def test_errors_exit_2_with_message(capsys, tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
     assert main(args) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_directory_that_is_not_a_checkpoint(tmp_path, capsys):
+    assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err
 
 
 def test_malformed_model_directory(tmp_path, capsys):
@@ -117,8 +127,35 @@ def test_chat_template(tmp_path, capsys):
     (chat / "chat_template.jinja").write_text(
         "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<model> {% endif %}")
-    out = run_json(capsys, "Who made the light?", "--chat", "--model", str(chat))
+    out = run_json(capsys, "Who made the light?", "--chat", "--model", str(chat), "--seed", "2")
     assert out["prompt_text"].endswith("<user> Who made the light?\n<model> ")
+    assert main(["generate", "Who made the light?", "--chat", "--model", str(chat), "--seed", "2", *SMALL]) == 0
+    printed = capsys.readouterr().out
+    assert printed == out["text"] + "\n"  # the reply only, not the templated prompt
+
+
+def test_greedy_proposes_argmaxes(capsys, monkeypatch):
+    """--temp 0 and --greedy: every position proposes its argmax (each step's draws are its draft), while
+    the checkpoint's temperature schedule still sets the entropies; without them the draws are sampled."""
+    from diffusiongemma.cli import progress
+
+    steps = []
+
+    class Spy(progress.Fanout):
+        def on_step(self, info):
+            steps.append((np.array(info.sampled), np.array(info.draft), info.temperature))
+            self.__getattr__("on_step")(info)
+
+    monkeypatch.setattr(progress, "Fanout", Spy)
+    greedy = run_json(capsys, "And God said", "--seed", "5", "--greedy")
+    greedy_steps, steps[:] = list(steps), []
+    assert run_json(capsys, "And God said", "--seed", "5", "--temp", "0")["token_ids"] == greedy["token_ids"]
+    steps[:] = []
+    sampled = run_json(capsys, "And God said", "--seed", "5")
+    assert greedy_steps and all((draws == draft).all() for draws, draft, _ in greedy_steps)
+    assert not all((draws == draft).all() for draws, draft, _ in steps)
+    assert len({temp for _, _, temp in greedy_steps}) > 1  # the schedule, not one temperature
+    assert greedy["token_ids"] != sampled["token_ids"]
 
 
 def test_chat_without_template_is_an_error(tmp_path, capsys):

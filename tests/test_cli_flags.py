@@ -141,8 +141,8 @@ def test_help_shows_defaults_and_every_option(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for option in ("-n N, --max-new-tokens N", "-m DIR, --model DIR", "-p TEXT, --prompt TEXT", "--temp T",
-                   "--ignore-eos", "--seed SEED", "--frame-time S", "--view-wait"):
+    for option in ("-n N, --max-new-tokens N", "-m PATH, --model PATH", "-p TEXT, --prompt TEXT", "--temp T",
+                   "--ignore-eos", "--seed SEED", "--frame-time S", "--view-wait", "--greedy", "--threads N"):
         assert option in text, option
     assert "(default: reference)" in text and "(default: 0.08)" in text and "shipped model: 16" in text
 
@@ -169,8 +169,9 @@ def test_subcommands_come_from_one_table():
     (["generate", "hi", "--seed", "-1"], "argument --seed: expected an integer seed in [0, 2**64), got -1"),
     (["generate", "hi", "--seed", "2**64"], "argument --seed: expected an integer seed in [0, 2**64), got '2**64'"),
     (["generate", "hi", "-n", "0"], "argument -n/--max-new-tokens: expected a positive integer, got 0"),
-    (["generate", "hi", "--temp", "0"], "argument --temp: expected a finite number > 0, got '0'"),
-    (["generate", "hi", "--temp", "nan"], "argument --temp: expected a finite number > 0, got 'nan'"),
+    (["generate", "hi", "--temp", "-0.5"], "argument --temp: expected a finite number >= 0, got '-0.5'"),
+    (["generate", "hi", "--temp", "nan"], "argument --temp: expected a finite number >= 0, got 'nan'"),
+    (["generate", "hi", "--threads", "0"], "argument --threads: expected a positive integer, got 0"),
     (["generate", "hi", "--temp", "0.5", "--t-min", "0.1"], "argument --t-min: not allowed with argument --temp"),
     (["generate", "hi", "--frame-time", "-1"], "argument --frame-time: expected a finite number >= 0"),
     (["generate", "hi", "--entropy-bound", "0"], "argument --entropy-bound: expected a finite number > 0"),

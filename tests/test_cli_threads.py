@@ -1,5 +1,6 @@
-"""Thread settings of the command line (cli/threads.py): sized to the free cores, passive waits, the user's
-own settings kept, and applied before NumPy's BLAS loads."""
+"""Thread sizing (diffusiongemma/threads.py), the same from Python and from the command line: the free cores,
+passive OpenMP waits, a user's own setting kept, ``threads=`` / ``--threads`` winning, and nothing written
+to the environment (an in-process run of the command line must leave ``os.environ`` as it found it)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from diffusiongemma.cli import threads
+from diffusiongemma import threads
 
 
 @pytest.fixture
@@ -21,25 +22,44 @@ def cores(monkeypatch):
     return set_cores
 
 
-@pytest.mark.parametrize("usable,busy,expected", [(8, 0, 8), (8, 3, 5), (2, 1, 1), (2, 2, 1), (2, 7, 1)])
-def test_thread_count_is_the_free_cores(cores, usable, busy, expected):
+@pytest.fixture
+def no_thread_variables(monkeypatch):
+    for name in threads.COUNT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("usable,busy,expected", [(2, 0, 2), (2, 1, 1), (2, 2, 1), (2, 7, 1), (1, 0, 1)])
+def test_thread_count_is_the_free_cores(cores, no_thread_variables, usable, busy, expected):
     cores(usable, busy)
-    env = {}
-    assert threads.configure_threads(env, limit_loaded=False) == expected
-    assert all(env[name] == str(expected) for name in threads.COUNT_VARIABLES)
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
-    described = threads.describe(env)
-    assert (described["threads"], described["chosen_by"], described["wait_policy"]) == (expected, "diffusiongemma",
-                                                                                        "PASSIVE")
+    before = dict(os.environ)
+    assert threads.configure() == expected
+    assert dict(os.environ) == before  # nothing written to the environment
+    described = threads.describe()
+    assert (described["threads"], described["chosen_by"]) == (expected, "diffusiongemma")
+    assert described["blas_threads"] and set(described["blas_threads"]) == {expected}  # the loaded BLAS itself
 
 
 @pytest.mark.parametrize("given", threads.COUNT_VARIABLES)
-def test_a_users_setting_wins(cores, given):
-    cores(8, 0)
-    env = {given: "3", "OMP_WAIT_POLICY": "ACTIVE"}
-    assert threads.configure_threads(env) is None
-    assert env == {given: "3", "OMP_WAIT_POLICY": "ACTIVE"}
-    assert threads.describe(env)["chosen_by"] == "environment"
+def test_a_users_setting_wins(cores, no_thread_variables, monkeypatch, given):
+    cores(2, 0)
+    threads.configure(threads=1)
+    monkeypatch.setenv(given, "3")
+    before = dict(os.environ)
+    assert threads.configure() is None
+    assert dict(os.environ) == before
+    described = threads.describe()
+    assert (described["threads"], described["chosen_by"]) == (3, "environment")
+    assert set(described["blas_threads"]) == {1}  # left as it was: the user's variable is the user's business
+
+
+def test_an_explicit_count_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert threads.configure(threads=1) == 1
+    described = threads.describe()
+    assert (described["threads"], described["chosen_by"], set(described["blas_threads"])) == (1, "threads=", {1})
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="positive integer"):
+            threads.configure(threads=bad)
 
 
 def test_busy_cores_reads_the_runnable_count(tmp_path):
@@ -49,17 +69,32 @@ def test_busy_cores_reads_the_runnable_count(tmp_path):
     assert threads.busy_cores(loadavg=str(tmp_path / "missing")) == 0
 
 
-def run_cli(env) -> dict:
+def test_an_in_process_run_leaves_the_environment_alone(capsys):
+    """The cause of an order-dependent failure once: ``main`` wrote its choice into os.environ, which every
+    later test and child process then read as the user's own setting."""
+    from diffusiongemma.cli.main import main
+
+    before = dict(os.environ)
+    assert main(["generate", "And God said", "-n", "8", "--steps", "2", "--seed", "1", "--json", "--threads", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["threads"]["chosen_by"] == "threads="
+    assert dict(os.environ) == before
+
+
+def clean_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in threads.COUNT_VARIABLES and k != "OMP_WAIT_POLICY"}
+
+
+def run_cli(env, *extra) -> dict:
     proc = subprocess.run([sys.executable, "-m", "diffusiongemma", "generate", "And God said", "-n", "32", "--steps",
-                           "2", "--seed", "1", "--json"], capture_output=True, text=True, env=env, timeout=300)
+                           "2", "--seed", "1", "--json", *extra], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)["threads"]
 
 
 def test_the_command_runs_blas_on_the_chosen_threads():
     """A real run without thread variables: OpenBLAS (loaded when the package is imported) runs on the count
-    chosen, and later libraries get it through the environment; a user's OMP_NUM_THREADS is kept."""
-    env = {k: v for k, v in os.environ.items() if k not in threads.COUNT_VARIABLES and k != "OMP_WAIT_POLICY"}
+    chosen; a user's OMP_NUM_THREADS and wait policy are kept; --threads wins."""
+    env = clean_env()
     chosen = run_cli(env)
     assert chosen["chosen_by"] == "diffusiongemma" and chosen["wait_policy"] == "PASSIVE"
     assert 1 <= chosen["threads"] <= threads.usable_cores()
@@ -67,3 +102,30 @@ def test_the_command_runs_blas_on_the_chosen_threads():
     given = run_cli({**env, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE"})
     assert (given["threads"], given["chosen_by"], given["wait_policy"]) == (1, "environment", "ACTIVE")
     assert set(given["blas_threads"]) == {1}
+    forced = run_cli({**env, "OMP_NUM_THREADS": "2"}, "--threads", "1")
+    assert (forced["threads"], forced["chosen_by"], set(forced["blas_threads"])) == (1, "threads=", {1})
+
+
+LIBRARY_RUN = r"""
+import json, os
+import numpy  # loaded first, as a user's script does: its BLAS is limited after the fact
+import diffusiongemma.reference
+from diffusiongemma import fast, threads
+from threadpoolctl import threadpool_info
+pools = {info["user_api"]: info["num_threads"] for info in threadpool_info()}
+print(json.dumps({"described": threads.describe(), "pools": pools,
+                  "environ": sorted(k for k in os.environ if k in threads.COUNT_VARIABLES + ("OMP_WAIT_POLICY",))}))
+"""
+
+
+def test_the_library_is_sized_like_the_command():
+    """Importing the package sizes BLAS and the kernels' OpenMP to the free cores, without writing a thread
+    variable into the environment that child processes would inherit."""
+    proc = subprocess.run([sys.executable, "-c", LIBRARY_RUN], capture_output=True, text=True, env=clean_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    described = out["described"]
+    assert described["chosen_by"] == "diffusiongemma" and described["wait_policy"] == "PASSIVE"
+    assert out["pools"] == {"blas": described["threads"], "openmp": described["threads"]}
+    assert out["environ"] == []

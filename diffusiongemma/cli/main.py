@@ -18,8 +18,6 @@ import argparse
 import importlib
 import sys
 
-from .threads import configure_threads
-
 # The subcommands: (module under diffusiongemma.cli, its commands). Each module has ``register(commands,
 # formatter)``, which adds its subparsers and sets ``handler`` (a function of the parsed arguments returning
 # the exit status); a handler that sets ``takes_argv`` also receives the raw arguments after its name
@@ -63,8 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = "diffusiongemma"
     try:
-        configure_threads()  # BLAS and OpenMP sized to the free cores, passive waits (threads.py)
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)  # importing the package sized the threads (diffusiongemma/threads.py)
+        if getattr(args, "threads", None) is not None:  # --threads N wins over the sizing and the environment
+            from diffusiongemma.threads import configure
+
+            configure(threads=args.threads)
         command = f"diffusiongemma {args.command}"
         if getattr(args, "takes_argv", False):
             args.argv = argv[argv.index(args.command) + 1:]  # the top level has no options taking values

@@ -428,15 +428,38 @@ def _draft_margin(row: Row, a: _Source, k: int, i: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ report
-def format_report(comparison: Comparison, table: bool = True) -> str:
-    """The per-tensor table in run order (unless ``table`` is False) and a plain statement of the result."""
+SHORT_CONTEXT = 2  # short report: agreeing tensors shown before the first divergence
+SHORT_FAILING = 8  # short report: differing tensors shown at most
+
+
+def format_report(comparison: Comparison, table: "bool | str" = "full") -> str:
+    """The per-tensor table in run order and a plain statement of the result.
+
+    table: ``"full"`` (or True) every compared tensor; ``"short"`` only the first differing tensors, with
+    the few agreeing ones just before the first divergence (nothing when all agree); ``"none"`` (or False)
+    only the result."""
     c = comparison
+    mode = {True: "full", False: "none"}.get(table, table)
+    if mode not in ("full", "short", "none"):
+        raise ValueError(f"table must be 'full', 'short' or 'none', got {table!r}")
     lines = []
-    if table:
-        width = max([len(row.name) for row in c.rows] + [6])
+    shown: list[int] = []
+    if mode == "full":
+        shown = list(range(len(c.rows)))
+    elif mode == "short" and c.first_divergence is not None:
+        first = c.rows.index(c.first_divergence)
+        failing = [n for n, row in enumerate(c.rows) if not row.ok][:SHORT_FAILING]
+        shown = sorted(set(range(max(0, first - SHORT_CONTEXT), first)) | set(failing))
+    if shown:
+        width = max([len(c.rows[n].name) for n in shown] + [6])
         lines.append(f"{'#':>5}  {'tensor':<{width}}  {'shape':<18} {'kind':<8} {'max|diff|':>10} {'max rel':>10} "
                      f"{'mismatch':>9}  result")
-        for n, row in enumerate(c.rows):
+        previous = None
+        for n in shown:
+            row = c.rows[n]
+            if previous is not None and n != previous + 1:
+                lines.append(f"{'...':>5}")
+            previous = n
             floats = row.kind == "float" and row.max_abs is not None
             diff = f"{row.max_abs:10.3e}" if floats else f"{'-':>10}"
             rel = f"{row.max_rel:10.3e}" if floats else f"{'-':>10}"
@@ -446,6 +469,10 @@ def format_report(comparison: Comparison, table: bool = True) -> str:
                          f"{result}")
             if not row.ok and row.detail:
                 lines.append(f"{'':>5}  {'':<{width}}  -> {row.detail}")
+        if mode == "short":
+            hidden = sum(not row.ok for row in c.rows) - sum(not c.rows[n].ok for n in shown)
+            more = f"; {hidden} more differing tensor(s) not shown" if hidden else ""
+            lines.append(f"(short report: {len(shown)} of {len(c.rows)} tensors{more}; --full lists every tensor)")
         lines.append("")
     for group, where in c.skipped.items():
         lines.append(f"not compared: {group} ({where})")
