@@ -77,10 +77,12 @@ def test_temperature_float32_and_double_differ_in_the_last_bit_at_step_37_of_48(
 
 
 def test_c_float_temperature_uses_llama_cpp_operation_order():
-    n, N = 7, 48
+    # llama.cpp: t_min + (t_max - t_min) * ((float) cur_step / (float) S), the fraction rounded first
     lo, hi = np.float32(0.4), np.float32(0.8)
-    expected = np.float32(lo + np.float32(np.float32((hi - lo) * np.float32(n)) / np.float32(N)))
-    assert stage("temperature", "c-float")(n, N, 0.4, 0.8) == expected
+    for n, N in ((7, 48), (7, 9)):
+        expected = np.float32(lo + np.float32(np.float32(hi - lo) * np.float32(np.float32(n) / np.float32(N))))
+        assert stage("temperature", "c-float")(n, N, 0.4, 0.8) == expected
+    assert stage("temperature", "c-float")(7, 9, 0.4, 0.8) == np.float32(0.7111111)  # ((hi - lo) * n) / N: 0.71111107
 
 
 def test_sc_input_divide_multiply_inverse_and_raw():
@@ -177,9 +179,19 @@ def test_output_trimming_rules():
     assert stage("eos", "stop-excluded").trim([4] * 10, (1,), 3) == [4, 4, 4]
     assert stage("eos", "cut-after").trim(row, (1,), 256) == [5, 6, 1]
     assert stage("eos", "transformers").trim(row, (1,), 2) == row
-    assert stage("eos", "llama.cpp").trim([3, 9, 9, 9, 9, 9, 9, 2], (1,), 256) == [3]  # stride-1 loop of 6
-    assert stage("eos", "llama.cpp").trim([3, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5], (1,), 256) == [3]  # stride 2
-    assert stage("eos", "llama.cpp").trim([3, 9, 9, 9, 9, 9, 2], (1,), 256) == [3, 9, 9, 9, 9, 9, 2]  # only 5
+    # llama.cpp's trim_canvas (its lambda compiled and run on these rows): a loop is 6 equal pairs in a row
+    llama = stage("eos", "llama.cpp")
+    assert llama.trim([3, 9, 9, 9, 9, 9, 9, 9, 2], (1,), 256) == [3]  # seven 9s: six equal pairs
+    assert llama.trim([3, 9, 9, 9, 9, 9, 9, 2], (1,), 256) == [3, 9, 9, 9, 9, 9, 9, 2]  # six 9s: only five
+    assert llama.trim([3] + [4, 5] * 6, (1,), 256) == [3] + [4, 5] * 6  # stride 2 over 12: five pairs
+    assert llama.trim([3] + [4, 5] * 6 + [4], (1,), 256) == [3]  # 13 positions: six pairs
+    assert llama.trim([3, 4, 7, 4, 8, 4, 9, 4, 6, 4, 2, 4, 0, 4, 5], (1,), 256) == [3]  # one parity suffices
+    assert llama.trim([5, 1, 9] + [9] * 8, (1,), 256) == [5]  # the end id first
+    # canvas by canvas: a loop across a canvas boundary is not seen; the first cut canvas ends the reply
+    assert llama.trim([2, 3, 9, 9, 9, 9] + [9, 9, 9, 9, 7, 8], (1,), 256, canvas_length=6) == [2, 3, 9, 9, 9, 9,
+                                                                                                 9, 9, 9, 9, 7, 8]
+    assert llama.trim([2, 3, 9, 9, 9, 9] + [9, 9, 9, 9, 7, 8], (1,), 256) == [2, 3]  # one canvas: a loop
+    assert llama.trim([4, 1, 5, 6] + [7, 8, 9, 10], (1,), 256, canvas_length=4) == [4]
 
 
 def test_last_canvas_length_rule():

@@ -171,20 +171,11 @@ def _eog_ids(gguf: str) -> set[int]:
 
 
 def llama_cpp_trim(canvas: list[int], eog: set[int]) -> int:
-    """Where llama-diffusion-cli cuts a denoised canvas (``trim_canvas``): at the first end-of-generation id, or
-    earlier at the first i (i + 1 < cut) from which ``canvas[j] == canvas[j + s]`` holds for 6 consecutive j =
-    i, i + s, ... (s = 1 or 2, j + s within the canvas)."""
-    n = len(canvas)
-    cut = next((i for i, t in enumerate(canvas) if t in eog), n)
-    for i in range(max(cut - 1, 0)):
-        for stride in (1, 2):
-            reps, j = 0, i
-            while j + stride < n and canvas[j] == canvas[j + stride]:
-                reps += 1
-                j += stride
-            if reps >= 6:
-                return i
-    return cut
+    """Where llama-diffusion-cli cuts a denoised canvas (``trim_canvas``): the reference's
+    ``variants.commit.llama_cpp_cut`` (first end id, or the start of 6 equal pairs at stride 1 or 2)."""
+    from diffusiongemma.reference.variants.commit import llama_cpp_cut
+
+    return llama_cpp_cut(list(canvas), eog)
 
 
 # ------------------------------------------------------------------------------------------------ tiny model

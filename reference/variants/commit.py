@@ -42,15 +42,23 @@ class CommitSampledUnlessStopped:
 
 
 # ------------------------------------------------------------------------------------------ end tokens
-def _loop_start(row: list[int], repeats: int = 6) -> int | None:
-    """Index where a token starts repeating at stride 1 or 2 for at least ``repeats`` repeats, else None."""
-    for start in range(len(row)):
+def llama_cpp_cut(canvas: list[int], eos_token_ids, repeats: int = 6) -> int:
+    """Where llama.cpp's diffusion CLI cuts one denoised canvas (``trim_canvas``): at the first end id, or
+    earlier at the first i with i + 1 < that cut from which ``canvas[j] == canvas[j + s]`` holds ``repeats``
+    times in a row for j = i, i + s, i + 2s, ... (stride s = 1 or 2, j + s inside the canvas, possibly past
+    the end id). So a stride-1 loop is 7 equal tokens, and a stride-2 loop compares one parity only: every
+    other token equal over 13 positions. Returns the number of tokens kept."""
+    eos = set(int(t) for t in eos_token_ids)
+    n = len(canvas)
+    cut = next((i for i, t in enumerate(canvas) if int(t) in eos), n)
+    for i in range(max(cut - 1, 0)):
         for stride in (1, 2):
-            end = start + stride * repeats
-            if end <= len(row) and all(row[start + j] == row[start + j % stride] for j in range(stride * repeats)):
-                if stride == 1 or row[start] != row[start + 1]:
-                    return start
-    return None
+            equal, j = 0, i
+            while j + stride < n and canvas[j] == canvas[j + stride]:
+                equal, j = equal + 1, j + stride
+            if equal >= repeats:
+                return i
+    return cut
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,8 @@ class EosRule:
     pad: "spec" (the generation config's pad id), "zero" (pad id 0 when none is set: JAX always pads with
     0) or "none" (nothing is rewritten). ids: "all" EOS ids end a row, or only the "first" (diffusers).
     cut: the output cut after the run: "none", "before" the first EOS (excluded), "after" it (included),
-    "before-or-loop" (llama.cpp: before the first EOS or a stride-1/2 loop of >= 6 repeats).
+    "before-or-loop" (llama.cpp: each canvas before its first EOS or the start of a repetition loop,
+    ``llama_cpp_cut``).
     """
 
     name: str
@@ -87,17 +96,28 @@ class EosRule:
             finished = finished | np.asarray(forced, dtype=bool)
         return tokens, finished
 
-    def trim(self, new_tokens: list[int], eos_token_ids, max_new_tokens: int) -> list[int]:
-        """The generated tokens the implementation reports, from the committed canvases (one row)."""
+    def trim(self, new_tokens: list[int], eos_token_ids, max_new_tokens: int,
+             canvas_length: int | None = None) -> list[int]:
+        """The generated tokens the implementation reports, from the committed canvases (one row).
+
+        "before-or-loop" cuts canvas by canvas when ``canvas_length`` is given (llama.cpp trims each block and
+        stops at the first one it cuts), else treats the whole row as one canvas (``llama_cpp_cut``)."""
         eos = set(int(t) for t in eos_token_ids)
         row = [int(t) for t in new_tokens]
-        if self.cut != "none":
+        if self.cut == "before-or-loop":
+            size = canvas_length or max(len(row), 1)
+            kept: list[int] = []
+            for start in range(0, len(row), size):
+                canvas = row[start:start + size]
+                cut = llama_cpp_cut(canvas, eos)
+                kept += canvas[:cut]
+                if cut < len(canvas):
+                    break
+            row = kept
+        elif self.cut != "none":
             first = next((i for i, t in enumerate(row) if t in eos), None)
             if first is not None:
                 row = row[:first + 1] if self.cut == "after" else row[:first]
-            if self.cut == "before-or-loop":
-                loop = _loop_start(row)
-                row = row if loop is None else row[:loop]
         if self.limit_to_budget:
             row = row[:max_new_tokens]
         return row
@@ -109,8 +129,8 @@ JAX_EOS = EosRule("jax", "JAX _truncate_canvas_at_stop_tokens: PAD=0 after the f
 STOP_EXCLUDED_EOS = EosRule("stop-excluded", "mlx-vlm: emission stops at the first EOS id, which is not emitted; "
                                              "also stops at max_new_tokens", pad="none", cut="before",
                             limit_to_budget=True)
-LLAMA_CPP_EOS = EosRule("llama.cpp", "llama.cpp trim_canvas: cut at the first EOG (excluded) or a stride-1/2 loop "
-                                     "of >= 6", pad="none", cut="before-or-loop")
+LLAMA_CPP_EOS = EosRule("llama.cpp", "llama.cpp trim_canvas, per canvas: cut at the first EOG (excluded) or where "
+                                     "6 equal pairs at stride 1 or 2 start", pad="none", cut="before-or-loop")
 FIRST_ID_EOS = EosRule("first-id-only", "diffusers: only the tokenizer's single eos_token_id ends a row; no "
                                         "rewrite", pad="none", ids="first")
 CUT_AFTER_EOS = EosRule("cut-after", "vLLM server stop handling [I]: the output ends after the first EOS, no pad",
