@@ -15,7 +15,17 @@ if __name__ != "diffusiongemma.weights_converter":  # e.g. ``import weights_conv
 
 import os
 
-from .conversion import DEFAULT_SHARD_SIZE, ConversionSummary, convert, load_transformers_checkpoint
+_LAZY = ("DEFAULT_SHARD_SIZE", "ConversionSummary", "convert", "load_transformers_checkpoint")
+
+
+def __getattr__(name: str):
+    # the conversion module (NumPy, the reference) is imported on first use, so that the command line's start-up
+    # stays light and a Ctrl-C during it is handled by ``cli.main``
+    if name in _LAZY:
+        from . import conversion
+
+        return getattr(conversion, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_transformers_dir(path: str) -> bool:
@@ -32,10 +42,16 @@ def _read_gguf(path: str):
     return load_gguf_checkpoint(path)
 
 
+def _read_transformers(path: str):
+    from .conversion import load_transformers_checkpoint
+
+    return load_transformers_checkpoint(path)
+
+
 # The formats ``reference.weights.load_checkpoint`` reads through the converter: (name, matches, read),
 # declared as entry points of the group ``diffusiongemma.checkpoint_readers`` in setup.py.
 TRANSFORMERS_READER = ("a transformers checkpoint directory (config.json + safetensors)", _is_transformers_dir,
-                       load_transformers_checkpoint)
+                       _read_transformers)
 GGUF_READER = ("a llama.cpp GGUF file (architecture diffusion-gemma)", _is_gguf_file, _read_gguf)
 
 __all__ = ["DEFAULT_SHARD_SIZE", "ConversionSummary", "convert", "load_transformers_checkpoint"]

@@ -10,27 +10,41 @@ import argparse
 import re
 import sys
 
-from diffusiongemma.reference.support.errors import CheckpointError, ConfigError, InputError
-from diffusiongemma.reference.support.checkpoint_io import STORAGE_DTYPES
-
-from .conversion import DEFAULT_SHARD_SIZE, convert
+# The heavy imports (NumPy, the reference) happen inside ``main``, so that a Ctrl-C during start-up is an
+# interruption like any other: one line and exit status 130, no traceback.
 
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
 
 
 def parse_size(text: str) -> int:
     """Bytes from ``"2GB"``, ``"500MiB"``, ``"1048576"``; raises ``argparse.ArgumentTypeError``."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    match = re.fullmatch(r"\s*([-+]?)(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, flags=re.IGNORECASE)
     if match is None:
         raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 2GB, 500MiB, 1048576)")
-    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    size = int(float(match.group(2)) * _UNITS[(match.group(3) or "").upper()])
+    if match.group(1) == "-" or size <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r} (examples: 2GB, 500MiB, 1048576)")
     return size
+
+
+# argparse takes any word starting with "-" for an option unless it looks like a plain negative number, so
+# "--shard-size -1MB" would fail with "expected one argument"; a negative size is read as a value instead,
+# and refused by ``parse_size`` with its own message.
+_NEGATIVE_VALUE = re.compile(r"^-\d+(\.\d+)?\s*([KMG]i?B|B)?$", re.IGNORECASE)
+
+
+def accept_negative_sizes(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Let ``parser`` read "-1MB" as a value (so that ``parse_size`` names what is wrong with it)."""
+    parser._negative_number_matcher = _NEGATIVE_VALUE  # argparse's own hook for negative-number values
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
+    from diffusiongemma.reference.support.checkpoint_io import STORAGE_DTYPES
+
+    from .summary import DEFAULT_SHARD_SIZE
+
     parser = argparse.ArgumentParser(
         prog="diffusiongemma-convert",
         description="Convert a transformers DiffusionGemma checkpoint directory (config.json + "
@@ -47,11 +61,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true",
                         help="replace DST if it is an existing diffusiongemma checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
-    return parser
+    return accept_negative_sizes(parser)
+
+
+def convert(*args, **kwargs):
+    """``diffusiongemma.weights_converter.convert``, imported on first use."""
+    from .conversion import convert as run
+
+    return run(*args, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the converter; prints the summary to stdout and errors to stderr; returns the exit status."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # also during start-up (imports, argument parsing)
+        print("diffusiongemma-convert: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
+    from diffusiongemma.reference.support.errors import CheckpointError, ConfigError, InputError
+
     args = build_parser().parse_args(argv)
     try:
         summary = convert(args.src, args.dst, dtype=args.dtype, shard_size=args.shard_size,
@@ -59,9 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError, InputError, OSError) as exc:
         print(f"diffusiongemma-convert: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("diffusiongemma-convert: interrupted; nothing was written", file=sys.stderr)
-        return 130
     print(summary)
     return 0
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 def register(commands, formatter) -> None:
     """Add ``convert`` to the ``diffusiongemma`` subparsers."""
-    from diffusiongemma.weights_converter.cli import build_parser
+    from diffusiongemma.weights_converter.cli import accept_negative_sizes, build_parser
 
     converter = build_parser()
-    commands.add_parser("convert", parents=[converter], conflict_handler="resolve", formatter_class=formatter,
-                        help="convert a transformers checkpoint (the same as diffusiongemma-convert)",
-                        description=converter.description,
-                        epilog="Exit status: 0 converted, 1 the input or the destination was rejected (the "
-                               "message names it), 130 interrupted; no partial destination is left behind."
-                        ).set_defaults(handler=run, takes_argv=True)
+    sub = commands.add_parser("convert", parents=[converter], conflict_handler="resolve", formatter_class=formatter,
+                              help="convert a transformers checkpoint (the same as diffusiongemma-convert)",
+                              description=converter.description,
+                              epilog="Exit status: 0 converted, 1 the input or the destination was rejected (the "
+                                     "message names it), 130 interrupted; no partial destination is left behind.")
+    accept_negative_sizes(sub).set_defaults(handler=run, takes_argv=True)  # --shard-size -1MB: parse_size's message
 
 
 def run(args) -> int:
