@@ -123,8 +123,10 @@ class DenoisingRecord:
                     entropies=entropies, accepted=np.asarray(c["accepted"], dtype=bool).reshape(S, C),
                     drafts=np.asarray(c["draft"], dtype=np.int64).reshape(S, C), temperatures=temps.reshape(S),
                     committed=None if c.get("committed") is None else np.asarray(c["committed"], dtype=np.int64)))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise InputError(f"{where}: malformed per-step data ({type(exc).__name__}: {exc})") from None
+        for k, canvas in enumerate(canvases):
+            _check_canvas(canvas, k, C, where)
         return cls(C, N, canvases)
 
     @classmethod
@@ -153,7 +155,37 @@ class DenoisingRecord:
             k += 1
         if not canvases:
             raise InputError(f"{trace.path}: the trace holds no denoising steps (canvas0.step0.draft)")
+        for k, canvas in enumerate(canvases):
+            _check_canvas(canvas, k, C, trace.path)
         return cls(C, N or max(c.steps for c in canvases), canvases)
+
+
+def _check_canvas(canvas: CanvasRecord, k: int, C: int, where: str) -> None:
+    """``InputError`` for a committed list longer than the canvas (or not a flat list), or a negative token id."""
+    if canvas.committed is not None and (canvas.committed.ndim != 1 or canvas.committed.size > C):
+        raise InputError(f"{where}: canvas {k}'s 'committed' holds {canvas.committed.size} token ids "
+                         f"(shape {canvas.committed.shape}) for canvas_length={C} positions")
+    for what, ids in (("draft", canvas.drafts), ("committed", canvas.committed)):
+        if ids is not None and ids.size and int(ids.min()) < 0:
+            at = np.unravel_index(int(np.argmin(ids)), ids.shape)
+            place = f"step {at[0]} position {at[1]}" if ids.ndim == 2 else f"position {at[0]}"
+            raise InputError(f"{where}: canvas {k}'s '{what}' holds token id {int(ids.min())} at {place}; token "
+                             "ids are >= 0")
+
+
+def check_token_ids(record: "DenoisingRecord", vocab_size: int, where: str) -> None:
+    """``InputError`` naming the first draft or committed id outside ``0 .. vocab_size - 1`` (the tokenizer
+    that decodes the animation would fail on it)."""
+    for k, canvas in enumerate(record.canvases):
+        for what, ids in (("draft", canvas.drafts), ("committed", canvas.committed)):
+            if ids is None or not ids.size:
+                continue
+            bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+            if bad.size:
+                at = np.unravel_index(int(bad[0]), ids.shape)
+                place = f"step {at[0]} position {at[1]}" if ids.ndim == 2 else f"position {at[0]}"
+                raise InputError(f"{where}: canvas {k}'s '{what}' holds token id {int(ids[at])} at {place}, outside "
+                                 f"the tokenizer's vocabulary (0..{vocab_size - 1})")
 
 
 class DenoisingLog:

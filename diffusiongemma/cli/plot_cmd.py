@@ -56,8 +56,9 @@ def run(args) -> int:
     else:
         record = plot.load_record(args.run)
     if extension == ".html":
-        decode = _decoder(args, run_json)
+        decode, vocab_size = _decoder(args, run_json)
         name = "standard input" if args.run == "-" else os.path.basename(args.run)
+        plot.check_token_ids(record, vocab_size, "standard input" if args.run == "-" else args.run)
         page = plot.animation_html(record, decode, title=f"diffusiongemma: {name}")
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(page)
@@ -69,7 +70,8 @@ def run(args) -> int:
 
 
 def _decoder(args, run_json=None):
-    """token id -> text with the tokenizer of --model, of the run's model (JSON) or of the shipped model."""
+    """(token id -> text, vocabulary size) with the tokenizer of --model, of the run's model (JSON) or of the
+    shipped model."""
     import json
 
     from diffusiongemma.checkpoint import default_model_dir, load_text_side
@@ -90,4 +92,4 @@ def _decoder(args, run_json=None):
         if token not in cache:
             cache[token] = side.decode([token], skip_special_tokens=False)
         return cache[token]
-    return decode
+    return decode, side.tokenizer.get_vocab_size(with_added_tokens=True)
