@@ -4,7 +4,7 @@ first tensor at which two traces part (file format: docs/TRACE_FORMAT.md).
     diffusiongemma trace --prompt "And God said" --seed 0 -o ref.trace          the shipped tiny model
     diffusiongemma trace --model DIR --prompt-ids 2,818,7 --steps 4 -o ref.trace
     diffusiongemma trace --model DIR --replay other.trace -o ours.trace         same prompt, settings, draws
-    diffusiongemma compare ref.trace port.trace [--atol 2e-4] [--rtol 1e-4] [--only forward|sampler|all] [--full | --summary]
+    diffusiongemma compare ref.trace port.trace [--atol 2e-4] [--rtol 1e-4] [--only forward|sampler|all] [--summary]
 
 ``compare`` exits with status 0 when every compared tensor agrees, 1 when a tolerance is exceeded (a
 divergence), and 2 when the files cannot be compared (unreadable, another model, other settings).
@@ -57,9 +57,6 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
                        help="reference (NumPy) or the compiled fast path (recorded around its generate)")
     trace.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bars on stderr (default: when stderr is a terminal)")
-    trace.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                       help="BLAS and OpenMP threads (default: the cores free at start, unless OMP_NUM_THREADS or "
-                            "another thread variable is set)")
     trace.set_defaults(handler=run_trace)
 
     compare = commands.add_parser("compare", help="find the first tensor at which two traces differ",
@@ -77,11 +74,7 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
                          help="forward: the model's tensors (encoder K/V, decoder input, layer outputs, logits); "
                               "sampler: the loop's (draft, draws, acceptance, canvases, stopping, commits, "
                               "output); all (default): both. See docs/TRACE_FORMAT.md, 'Golden traces'")
-    listing = compare.add_mutually_exclusive_group()
-    listing.add_argument("--full", action="store_true",
-                         help="list every compared tensor (default: only the first differing tensors, with the "
-                              "two before the first divergence, then the result)")
-    listing.add_argument("--summary", action="store_true", help="print only the result, no tensor table")
+    compare.add_argument("--summary", action="store_true", help="print only the result, not the per-tensor table")
     compare.set_defaults(handler=run_compare)
 
 
@@ -90,7 +83,7 @@ def run_compare(args) -> int:
 
     with Trace(args.a) as a, Trace(args.b) as b:
         comparison = compare_traces(a, b, atol=args.atol, rtol=args.rtol, only=args.only)
-        print(format_report(comparison, table="full" if args.full else "none" if args.summary else "short"))
+        print(format_report(comparison, table=not args.summary))
     return 0 if comparison.ok else 1
 
 
@@ -105,9 +98,6 @@ def run_trace(args) -> int:
 
     check_writable(args.output, "-o/--output")  # before the run, not after it
     path = args.model or default_model_dir()
-    from .generate_cmd import check_model_path
-
-    check_model_path(path)
     model = load_model(path, args.backend)
     if args.replay is not None:
         ids, mask, settings, tape = _replayed_run(args, model.config)
@@ -127,14 +117,14 @@ def run_trace(args) -> int:
                                  random=random, callback=bars, **without_library_progress(generate))
     except (ValueError, ArithmeticError, RuntimeError) as exc:
         if recorder.entries:
-            recorder.save(args.output, error=f"{type(exc).__name__}: {exc}")
+            _save(recorder, args.output, error=f"{type(exc).__name__}: {exc}")
             print(f"diffusiongemma trace: the run failed; the part recorded so far is in {args.output}",
                   file=sys.stderr)
         raise
     finally:
         if bars is not None:
             bars.close()
-    recorder.save(args.output)
+    _save(recorder, args.output)
     if isinstance(random, ReplayDraws) and random.remaining:
         print(f"diffusiongemma trace: warning: {random.remaining} replayed draws were not used; this run took a "
               "shorter path than the replayed one", file=sys.stderr)
@@ -143,6 +133,21 @@ def run_trace(args) -> int:
           f"canvas(es), steps per canvas {list(result.steps_per_canvas)}, layer outputs {'on' if layers else 'off'}, "
           f"logits {recorder.logits_mode}", file=sys.stderr)
     return 0
+
+
+def _save(recorder, path: str, **kwargs) -> None:
+    """``recorder.save`` with a write failure (a full disk, a folder gone) as one line naming -o/--output;
+    the trace is written beside ``path`` and renamed, so nothing half-written is left."""
+    from safetensors import SafetensorError
+
+    try:
+        recorder.save(path, **kwargs)
+    except (SafetensorError, OSError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        if "StorageFull" in reason or "code: 28" in reason:  # safetensors' wording of ENOSPC
+            reason = "No space left on device"
+        raise OSError(f"-o/--output {path!r}: the trace could not be written ({reason}); nothing was "
+                      "written there") from None
 
 
 def _prompt_ids(args, path: str):

@@ -16,6 +16,8 @@ import sys
 
 def register(commands, formatter=argparse.HelpFormatter) -> None:
     """Add ``crosscheck`` to the ``diffusiongemma`` subparsers."""
+    from diffusiongemma.cli.argtypes import seed
+
     from . import PEERS
 
     parser = commands.add_parser("crosscheck", help="compare another implementation with the reference",
@@ -30,7 +32,8 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
     parser.add_argument("-m", "--model", default=None, metavar="DIR",
                         help="transformers-layout checkpoint directory (default: a tiny random checkpoint built "
                              "in a temporary directory, with every norm weight and scalar randomised)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the inputs and of the peer's random stream")
+    parser.add_argument("--seed", type=seed, default=0,
+                        help="seed of the inputs and of the peer's random stream, in [0, 2**64)")
     parser.add_argument("--canvases", type=int, default=2, help="canvases generated per sampler configuration")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.set_defaults(handler=run)
