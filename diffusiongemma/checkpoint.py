@@ -34,6 +34,65 @@ def load_model(path: str, backend: str = "reference"):
     return _backend_module(backend).Model.from_pretrained(path, device={"cpu": "cpu", "gpu": "cuda", "gpu-sim": "cuda-sim"}[backend])
 
 
+class CheckpointReplaced(CheckpointError):
+    """The checkpoint was replaced (e.g. by ``convert --force``) every time it was read; run again later."""
+
+
+def _identity(path: str) -> tuple[int, int, int] | None:
+    """What changes when ``path`` is replaced: its device, inode and modification time (None when absent)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+def load_checkpoint(path: str, backend: str = "reference", attempts: int = 3):
+    """``(text side, model)`` of ``path``, both from the same version of the checkpoint.
+
+    A directory is opened once and both are read through that handle (``/proc/self/fd/N`` on Linux), so a
+    ``convert --force`` that swaps a new checkpoint in meanwhile cannot pair the tokenizer of one version
+    with the weights of the other. If the checkpoint at ``path`` changed while it was read (the old one may be
+    deleted under the reader, which then fails), the read is retried; after ``attempts`` changed reads,
+    ``CheckpointReplaced`` says a replace is in progress. Other errors are those of ``load_text_side`` and
+    ``load_model``, naming ``path``.
+    """
+    for _ in range(attempts):
+        before = _identity(path)
+        fd, pinned = _pin(path)
+        try:
+            text_side = load_text_side(pinned)
+            model = load_model(pinned, backend)
+        except CheckpointError as exc:
+            if _identity(path) != before:
+                continue  # replaced mid-read: read the new version
+            if pinned != path:  # name the user's path, not the handle's
+                raise CheckpointError(str(exc).replace(pinned, path)) from None
+            raise
+        finally:
+            if fd is not None:
+                os.close(fd)
+        if _identity(path) == before:
+            return text_side, model
+    raise CheckpointReplaced(f"{path}: the checkpoint was replaced while it was being read, {attempts} times in a "
+                             "row (a `convert --force` to it in progress?); run again once it has finished")
+
+
+def _pin(path: str) -> tuple[int | None, str]:
+    """(descriptor, a name that keeps resolving to the directory ``path`` names now); files are not pinned."""
+    if not os.path.isdir(path):
+        return None, path
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return None, path
+    pinned = f"/proc/self/fd/{fd}"
+    if os.path.isdir(pinned) and os.path.samefile(pinned, path):
+        return fd, pinned
+    os.close(fd)
+    return None, path
+
+
 def _backend_module(backend: str):
     """``diffusiongemma.fast`` (cpu) or ``diffusiongemma.fast.gpu`` (gpu, gpu-sim); RuntimeError when unavailable."""
     try:

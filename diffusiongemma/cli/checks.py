@@ -25,3 +25,32 @@ def check_writable(path: str, option: str) -> None:
         raise InputError(f"{option} {path!r} cannot be written: {exc.strerror or exc}") from None
     if os.path.exists(target) and not os.access(target, os.W_OK):
         raise InputError(f"{option} {path!r} exists and is not writable")
+
+
+def check_generate_options(args, settings, prompt_length: int, stream=None) -> None:
+    """The rules ``generate`` applies to option combinations once the prompt is tokenized (so that every option
+    takes effect, is refused, or is reported by name on stderr):
+
+    * ``--max-length L`` that leaves no room after the prompt (``L <= prompt tokens``) is refused whatever
+      ``-n`` says: the Python API refuses it when ``max_new_tokens`` is left at its default, and with ``-n``
+      given it would stop after one canvas, output longer than L, without a word.
+    * ``--entropy-bound`` under a ``--semantics`` whose sampler is not the entropy-bound one (mlx-vlm's
+      confidence threshold, diffusers' block refinement) changes nothing: a warning names it.
+    """
+    import sys
+
+    stream = sys.stderr if stream is None else stream
+    max_length = getattr(settings, "max_length", None)
+    if getattr(args, "max_length", None) is not None and max_length is not None and max_length <= prompt_length:
+        raise InputError(f"--max-length {max_length} leaves no room for new tokens after the {prompt_length}-token "
+                         "prompt (it counts the prompt too); give a larger --max-length, or drop it and use -n")
+    semantics = getattr(args, "semantics", "transformers")
+    if getattr(args, "entropy_bound", None) is None or semantics == "transformers":
+        return
+    from diffusiongemma.reference.variants import get_semantics
+
+    name = get_semantics(semantics).sampler.name
+    if name != "entropy-bound":
+        print(f"diffusiongemma generate: warning: --entropy-bound {args.entropy_bound} has no effect under "
+              f"--semantics {args.semantics}: its sampler is {name}, which does not use an entropy bound",
+              file=stream)
