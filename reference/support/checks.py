@@ -276,5 +276,7 @@ def as_draw_source(random: DrawSource | int | np.random.SeedSequence | None) -> 
                                              for name in ("canvas_ids", "categorical", "renoise_ids")):
         return random
     if isinstance(random, (int, np.integer, np.random.SeedSequence)) and not isinstance(random, bool):
+        if not isinstance(random, np.random.SeedSequence) and int(random) < 0:
+            raise InputError(f"random: an integer seed must be >= 0, got {int(random)}")
         return SeededDraws(random)
     raise InputError(f"random must be a DrawSource, an integer seed or None, got {type(random).__name__}")

@@ -79,6 +79,26 @@ class GenerationCallback:
         """Called once with the ``GenerationResult``."""
 
 
+CALLBACK_METHODS = ("on_prompt", "on_step", "on_canvas", "on_end")
+
+
+def check_callback(callback: Any) -> Any:
+    """Refuse a ``callback`` that ``generate`` would never call (an int, a plain function: none of the
+    ``GenerationCallback`` methods) or whose method is not callable; ``InputError`` naming it."""
+    if callback is None:
+        return callback
+    from .errors import InputError
+
+    present = [name for name in CALLBACK_METHODS if getattr(callback, name, None) is not None]
+    if not present:
+        raise InputError(f"callback must be None or an object with some of the methods {', '.join(CALLBACK_METHODS)} "
+                         f"(a GenerationCallback), got {type(callback).__name__} {callback!r:.60}")
+    for name in present:
+        if not callable(getattr(callback, name)):
+            raise InputError(f"callback.{name} is {type(getattr(callback, name)).__name__}, not a method")
+    return callback
+
+
 def notify(callback: Any, method: str, argument: Any) -> None:
     """Call ``callback.<method>(argument)`` if the callback exists and has that method (duck typing)."""
     handler = getattr(callback, method, None) if callback is not None else None
