@@ -30,6 +30,7 @@ nothing (progress is drawn by the command line from the callback).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Protocol
@@ -151,6 +152,7 @@ class ReferenceBackend(HostAcceptance):
                  context: Callable[[], Any] = contextlib.nullcontext):
         self.denoise, self.draws, self.V, self.B, self.observer = denoise, draws, int(vocab_size), int(batch_size), observer
         self.propose, self.sc_input = semantics.denoiser_draw, semantics.sc_temperature
+        self.scale = getattr(semantics.temperature, "scale", scale_logits)  # how T_n meets the logits (c)
         self.acceptor = semantics.sampler.start(max_steps, semantics.threshold)
         self._context = context  # what the run executes in (a GPU model's device context for a host denoiser)
         self.cache: Any = None
@@ -168,12 +170,12 @@ class ReferenceBackend(HostAcceptance):
         logits = run_denoiser(self.denoise, canvas, self.cache, self.sc_logits, (B, C, self.V))  # (b)
         self.observer.logits(logits)
         check_logits(logits, "denoiser logits")
-        processed = scale_logits(logits, temp)  # (c) a new array: it may be modified below
+        processed = self.scale(logits, temp)  # (c) a new array: it may be modified below
         if temp is not None:
             check_logits(processed, f"logits divided by temperature {float(temp)!r}")
         probs, entropies = softmax_and_entropy(processed)  # (d, f) (B, C, V), (B, C)
         draft = argmax_tokens(processed)  # (e)
-        sampled = self.propose(self.draws, probs, draft)  # (d) (B, C)
+        sampled = self.propose(self.draws, probs, draft, logits=processed)  # (d) (B, C)
         confidence = np.take_along_axis(probs, sampled[..., None], axis=-1)[..., 0]  # p(sampled), (B, C)
         self.sc_logits = self_conditioning_input(self.sc_input(logits, processed, temp), self.sc_logits,
                                                  finished)  # (h, j)
@@ -201,8 +203,12 @@ def make_backend(model: Any, draws: DrawSource, batch_size: int, denoiser: Denoi
     if denoiser is not None:
         denoise = denoiser
     elif getattr(type(model), "DENOISE_REPORTS", False):
+        embedding = getattr(semantics.sc_temperature, "embedding", None)  # a peer's rounding of the SC embedding
+        takes = "sc_embedding" in inspect.signature(model.denoise).parameters  # the reference Model's does
+        extra = {"sc_embedding": embedding} if embedding is not None and takes else {}
+
         def denoise(canvas, cache, sc_logits, _denoise=model.denoise, _window=semantics.canvas_window):
-            return _denoise(canvas, cache, sc_logits, observer=observer, canvas_window=_window.keys)
+            return _denoise(canvas, cache, sc_logits, observer=observer, canvas_window=_window.keys, **extra)
     elif semantics.canvas_window == TRANSFORMERS.canvas_window:
         denoise = model.denoise
     else:

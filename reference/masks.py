@@ -39,7 +39,8 @@ def decoder_visibility(cache_key_is_real: np.ndarray, canvas_length: int,
     """Bidirectional visibility of the canvas over ``[retained cache ++ canvas]``.
 
     cache_key_is_real: (B, T_cache) bool, False for padded cache entries. window: None (a full layer) or
-    (C, T_cache) bool, the retained keys each canvas query sees in a sliding layer (``canvas_window``).
+    (C, T_cache) bool, the retained keys each canvas query sees in a sliding layer (``canvas_window``), or
+    (C, T_cache + C) for a peer whose window also limits the canvas keys.
     Returns (B, 1, T_cache + canvas_length) bool without a window, else (B, C, T_cache + C): every real
     cached key the window shows and every canvas key is visible. There is no causal mask; for the spec's
     window (all True) the sliding window acts only through which entries the cache retains (``cache.py``).
@@ -51,6 +52,8 @@ def decoder_visibility(cache_key_is_real: np.ndarray, canvas_length: int,
     visible = np.concatenate([cache_key_is_real, canvas], axis=1)[:, None, :]  # (B, 1, T + C)
     if window is None:
         return visible
+    if window.shape[-1] == visible.shape[-1]:  # the window covers the canvas keys too (JAX, variants/window.py)
+        return visible & window[None]
     return visible & np.concatenate([window, np.ones((canvas_length, canvas_length), dtype=bool)], axis=1)[None]
 
 

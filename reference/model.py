@@ -133,12 +133,14 @@ class Model:
         return (probs @ self.tensors["embed_tokens"]) * np.float32(self.config.embed_scale)
 
     def canvas_input(self, canvas: np.ndarray, self_conditioning_logits: np.ndarray | None,
-                     self_conditioning_mask: np.ndarray | None = None) -> np.ndarray:
+                     self_conditioning_mask: np.ndarray | None = None,
+                     sc_embedding: Callable | None = None) -> np.ndarray:
         """Decoder input ``norm(embed(canvas) + SC_MLP(pre_norm(u)))`` with a weightless outer norm.
 
         canvas: (B, C) int. self_conditioning_logits: (B, C, V) float32 or None (first denoising step:
         u = 0, and the MLP of 0 is exactly 0). self_conditioning_mask: (B,) bool or None, training only:
-        rows with False get u = 0 as if no logits were given. Returns (B, C, H) float32. The canvas
+        rows with False get u = 0 as if no logits were given. sc_embedding: None, or a peer's treatment of
+        the soft embedding u (JAX rounds it to bfloat16, ``variants/temperature.py``). Returns (B, C, H) float32. The canvas
         embedding is RMS-normalised even at the first step (trap T10). Upstream: the decoder's
         ``self_conditioning`` module.
         """
@@ -147,6 +149,8 @@ class Model:
         if self_conditioning_logits is None:
             return rms_norm(e, None, config.rms_norm_eps)
         u = self.self_conditioning_embedding(self_conditioning_logits)
+        if sc_embedding is not None:
+            u = sc_embedding(u)
         if self_conditioning_mask is not None:
             u = u * np.asarray(self_conditioning_mask, dtype=np.float32)[:, None, None]
         signal = gated_mlp(rms_norm(u, t["self_conditioning.pre_norm"], config.rms_norm_eps),
@@ -156,7 +160,8 @@ class Model:
 
     def denoise(self, canvas: np.ndarray, cache: KVCache, self_conditioning_logits: np.ndarray | None = None,
                 self_conditioning_mask: np.ndarray | None = None, *,
-                observer: Observer = NULL_OBSERVER, canvas_window: Callable = canvas_window) -> np.ndarray:
+                observer: Observer = NULL_OBSERVER, canvas_window: Callable = canvas_window,
+                sc_embedding: Callable | None = None) -> np.ndarray:
         """One decoder pass: logits for every canvas position. Never writes the cache.
 
         canvas: (B, C) int token ids in [0, V), C = ``config.canvas_length``, at positions
@@ -169,7 +174,8 @@ class Model:
             input (after self-conditioning) and every layer's output (B, C, H).
         canvas_window: (key positions (T,), L, C, W) -> (C, T) bool, the retained keys of a sliding layer that
             each canvas query sees: ``masks.canvas_window`` (all of them, the spec), or a peer's window stage
-            (``variants/window.py``).
+            (``variants/window.py``; JAX's returns (C, T + C), the canvas keys included).
+        sc_embedding: None, or a peer's treatment of the self-conditioning soft embedding (``canvas_input``).
         Returns soft-capped logits (B, C, V) float32 (upstream: lm_head output, cast to float32, then
         ``c * tanh(z / c)``).
         Raises ``InputError`` for a wrong canvas length, ids out of range, self-conditioning logits of the
@@ -185,7 +191,7 @@ class Model:
         check_positions(config, cache.length, C, f"the canvas ({C} tokens)")
         positions = cache.length + np.arange(C, dtype=np.int64)
         tables = {kind: rope_cos_sin(np.broadcast_to(positions, (B, C)), omega) for kind, omega in self._omega.items()}
-        h = self.canvas_input(ids, self_conditioning_logits, self_conditioning_mask)
+        h = self.canvas_input(ids, self_conditioning_logits, self_conditioning_mask, sc_embedding)
         if not np.isfinite(h).all():
             raise forward_fault(self.tensors, "denoise", "the decoder input (canvas embedding + self-conditioning)", h, None)
         observer.decoder_input(h)

@@ -7,7 +7,7 @@ once per use, the same way whatever it is:
 
     temperature(n, N, t_min, t_max) -> T_n float32 (or None: no schedule)          SPEC §8.2 c
     sc_temperature(z, ẑ, T_n) -> the next step's self-conditioning input        §7.1, §8.2 j
-    denoiser_draw(draws, p, ā) -> the token each position proposes             §8.2 d
+    denoiser_draw(draws, p, ā, logits=ẑ) -> the token each position proposes   §8.2 d
     sampler.start(N, threshold) -> an acceptor for the run: begin_canvas(x),
         acceptor(step, x, r, β) -> (accepted, next canvas), revealed_all(B)     §8.2 f, g
     stop_history.make(s, γ, stop_comparison) -> a stopper: reset(), stopper(ā, H, x) -> (B,) bool   §8.2 i
@@ -63,7 +63,9 @@ class CategoricalDraw:
     name: ClassVar[str] = "categorical"
     source: ClassVar[str] = "transformers torch.multinomial; JAX, llama.cpp, diffusers EntropyBound"
 
-    def __call__(self, draws: Any, probs: np.ndarray, draft: np.ndarray) -> np.ndarray:
+    def __call__(self, draws: Any, probs: np.ndarray, draft: np.ndarray, logits: np.ndarray | None = None) -> np.ndarray:
+        if logits is not None and getattr(draws, "takes_logits", False):  # e.g. JAX's Gumbel-max (JaxDraws)
+            return draws.categorical(probs, logits=logits)
         return draws.categorical(probs)
 
 

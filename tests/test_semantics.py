@@ -241,8 +241,12 @@ def test_sliding_window_per_query_rules():
     # W-1: every key the cache retains (its last W-1), for every query; W: likewise on a cache of W keys
     assert stage("canvas_window", "W-1").keys(keys[1:], P, C, W).tolist() == [[True, True, True]] * C
     assert stage("canvas_window", "W").keys(keys, P, C, W).tolist() == [[True, True, True, True]] * C
-    assert stage("canvas_window", "W-1-i").keys(keys, P, C, W).tolist() == [
+    per_query = stage("canvas_window", "W-1-i").keys(keys, P, C, W)  # (C, T + C): the canvas keys follow
+    assert per_query[:, :len(keys)].tolist() == [
         [False, True, True, True], [False, False, True, True], [False, False, False, True]]
+    assert per_query[:, len(keys):].all()  # C <= W: every canvas key
+    band = stage("canvas_window", "W-1-i").keys(keys, P, 6, W)[:, len(keys):]  # C > W: JAX's |i - j| < W
+    assert (band == (np.abs(np.arange(6)[:, None] - np.arange(6)[None, :]) < W)).all()
 
 
 # ------------------------------------------------------------------------------------------ in the loop

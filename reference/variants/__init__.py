@@ -35,8 +35,9 @@ register_semantics(*[(field, stage) for field, choices in (
 
 register_semantics(semantics={v.name: v for v in (
     TRANSFORMERS.replace(name="jax", commit="sampled", stop_comparison="non-strict", stop_history="input-canvas",
-                         canvas_window="W-1-i", eos="jax",
-                         note="JAX main @7691fd4; bf16 logit division and threefry draws are not reproduced"),
+                         canvas_window="W-1-i", eos="jax", temperature="xla", sc_temperature="bfloat16-embedding",
+                         note="JAX main @7691fd4 as it runs on float32 parameters; with random=JaxDraws(seed) its "
+                              "threefry draws too; a prompt id 0 is JAX's padding (not reproduced)"),
     TRANSFORMERS.replace(name="llama.cpp", stop_history="held-counter", temperature="c-float",
                          sc_temperature="multiply-inverse", eos="llama.cpp",
                          note="PR #24423; the F16 SC embedding copy and GELU table are not reproduced"),

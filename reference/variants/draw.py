@@ -22,7 +22,7 @@ class ArgmaxDraw:
     name: ClassVar[str] = "argmax"
     source: ClassVar[str] = "mlx-vlm at temperature 0 (its default); diffusers BlockRefinement at temperature 0"
 
-    def __call__(self, draws: Any, probs: np.ndarray, draft: np.ndarray) -> np.ndarray:
+    def __call__(self, draws: Any, probs: np.ndarray, draft: np.ndarray, logits: np.ndarray | None = None) -> np.ndarray:
         return draft
 
 

@@ -266,6 +266,8 @@ class JaxDraws(DrawSource):
     anything else raises ``InputError``.
     """
 
+    takes_logits = True  # the categorical stage passes the processed logits (stages.CategoricalDraw)
+
     def __init__(self, seed: int = 0, *, key=None):
         self.seed = seed
         self.key = prng_key(seed) if key is None else _check_key(key)

@@ -20,14 +20,18 @@ from ..support.errors import ConfigError
 
 @dataclass(frozen=True)
 class PerQueryWindow(RetainedKeys):
-    """Query i (position L + i) sees the keys at positions >= L + i - W + 1 (JAX main's block-local mask
-    AND its per-query sliding mask)."""
+    """JAX main's block-local mask AND its per-query sliding mask ``|q - k| < W``: query i (position L + i)
+    sees the prompt keys at positions >= L + i - W + 1 and the canvas keys j with |i - j| < W (all of them
+    while C <= W). Returns (C, T + C): the retained keys, then the canvas."""
 
     name: ClassVar[str] = "W-1-i"
-    source: ClassVar[str] = "JAX main since 09e7b48 (2026-07-06): block-local mask AND the per-query sliding mask"
+    source: ClassVar[str] = ("JAX main since 09e7b48 (2026-07-06): block-local mask AND the per-query sliding "
+                             "mask, which also hides canvas keys with |i - j| >= W")
 
     def keys(self, key_positions: np.ndarray, prompt_end: int, canvas_length: int, window: int) -> np.ndarray:
-        return np.asarray(key_positions)[None, :] >= prompt_end + np.arange(canvas_length)[:, None] - window + 1
+        i = np.arange(canvas_length)[:, None]
+        prompt = np.asarray(key_positions)[None, :] >= prompt_end + i - window + 1
+        return np.concatenate([prompt, np.abs(i - i.T) < window], axis=1)
 
 
 @dataclass(frozen=True)
