@@ -49,8 +49,9 @@ def register(commands, formatter) -> None:
                      help="the prompt text; '-' reads it from standard input (one trailing newline dropped), or use -p")
     gen.add_argument("-p", "--prompt", dest="prompt_option", metavar="TEXT", default=None,
                      help="the prompt text (instead of the positional argument; '-' reads standard input)")
-    gen.add_argument("-m", "--model", default=None, metavar="DIR",
-                     help="checkpoint directory, transformers or converted (default: the shipped tiny-kjv model)")
+    gen.add_argument("-m", "--model", default=None, metavar="PATH",
+                     help="checkpoint directory (transformers or converted) or GGUF file on this machine; "
+                          "nothing is downloaded (default: the shipped tiny-kjv model)")
     gen.add_argument("--backend", choices=BACKENDS, default="reference",
                      help="reference (NumPy), cpu (compiled fast path), gpu (CuPy), gpu-sim (the CUDA kernels on the CPU, checked)")
     gen.add_argument("--semantics", choices=SEMANTICS_NAMES, default="transformers",
@@ -68,17 +69,29 @@ def register(commands, formatter) -> None:
     gen.add_argument("--entropy-bound", type=positive_float, default=None, metavar="NATS",
                      help="acceptance entropy bound " + from_checkpoint("entropy_bound"))
     temps = gen.add_mutually_exclusive_group()
-    temps.add_argument("--temp", type=positive_float, default=None, metavar="T",
+    temps.add_argument("--temp", type=non_negative_float, default=None, metavar="T",
                        help="one temperature for every step: sets t_min = T and t_max = the next float above T, "
-                            "so the linear schedule t_min + (t_max - t_min) * n/N is T at every step")
+                            "so the linear schedule t_min + (t_max - t_min) * n/N is T at every step; "
+                            "--temp 0 is --greedy")
     temps.add_argument("--t-min", type=non_negative_float, default=None,
                        help="temperature schedule minimum " + from_checkpoint("t_min"))
     gen.add_argument("--t-max", type=non_negative_float, default=None,
                      help="temperature schedule maximum (first step) " + from_checkpoint("t_max"))
+    gen.add_argument("--greedy", action="store_true",
+                     help="argmax proposals (temperature 0, as mlx-vlm's default and diffusers' BlockRefinement "
+                          "at temperature 0): each position proposes its most likely token instead of a "
+                          "categorical draw; acceptance, self-conditioning and stopping keep the temperature "
+                          "schedule, and rejected positions are still renoised from the seed. Reference "
+                          "backend only")
+    gen.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                     help="BLAS and OpenMP threads (default: the cores free at start, unless OMP_NUM_THREADS or "
+                          "another thread variable is set)")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="do not stop at EOS: the run's eos_token_id is set to none, so only the token budget "
                           "or --max-length ends it")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the checkpoint's chat template and print only the reply (the "
+                          "templated prompt is in --json as prompt_text)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (text, ids, stop_reason, seed, timings, per-step data) instead of "
                           "text; never mixed with terminal codes")
@@ -141,7 +154,7 @@ def settings_for(args, path: str, model_config):
     except FileNotFoundError:
         settings = GenerationConfig(eos_token_id=model_config.eos_token_id, pad_token_id=model_config.pad_token_id)
     t_min, t_max = args.t_min, args.t_max
-    if args.temp is not None:
+    if args.temp is not None and args.temp > 0:
         if args.t_max is not None:
             raise UsageError("--temp sets both t_min and t_max; drop --t-max")
         t_min, t_max = constant_temperature(args.temp)
@@ -157,6 +170,37 @@ def settings_for(args, path: str, model_config):
     if args.ignore_eos:
         settings = settings.replace(eos_token_id=())
     return settings
+
+
+def check_model_path(path: str, option: str = "-m/--model") -> None:
+    """``UsageError`` for a ``--model`` that is not on this machine; a hub id (``owner/name``) is told that
+    nothing is downloaded at run time."""
+    if os.path.exists(path):
+        return
+    import re
+
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) and not path.startswith("."):
+        raise UsageError(f"{option} {path}: no such file or directory. It looks like a Hugging Face hub id, but "
+                         "nothing is downloaded at run time: download the checkpoint first (e.g. `hf download "
+                         f"{path} --local-dir DIR`) and give --model DIR")
+    raise UsageError(f"{option} {path}: no such file or directory (give a checkpoint directory or a GGUF file)")
+
+
+def denoising_variant(args):
+    """The run's stage choices (``--semantics``), with argmax proposals for ``--greedy`` / ``--temp 0``; None
+    for transformers' own loop."""
+    greedy = args.greedy or args.temp == 0
+    if args.semantics == "transformers" and not greedy:
+        return None
+    from diffusiongemma.reference.variants import get_semantics
+
+    variant = get_semantics(args.semantics)
+    if greedy:
+        variant = variant.replace(name=f"{variant.name}, greedy", denoiser_draw="argmax")
+    if args.backend != "reference":
+        what = "--greedy (--temp 0)" if greedy else f"--semantics {args.semantics}"
+        raise UsageError(f"{what} runs on the reference's per-step compute: use --backend reference")
+    return variant
 
 
 def constant_temperature(temp: float) -> tuple[float, float]:
@@ -181,15 +225,17 @@ def run(args) -> int:
 
     import numpy as np
 
-    from . import checks, stopping, threads
+    from diffusiongemma import threads
+
+    from . import checks, stopping
     from .live_view import LiveCanvasView
     from .progress import Fanout, ProgressBars, without_library_progress
 
-    if args.semantics != "transformers" and args.backend != "reference":
-        raise ValueError(f"--semantics {args.semantics} runs on the reference's per-step compute: use --backend reference")
+    variant = denoising_variant(args)
     prompt = read_prompt(args)
     seed_value, seed_given = (args.seed, True) if args.seed is not None else (int.from_bytes(os.urandom(4), "big"), False)
     path = args.model or default_model_dir()
+    check_model_path(path)
     t0 = time.perf_counter()
     text_side, model = load_checkpoint(path, args.backend)  # one version, even during a convert --force
     settings = settings_for(args, path, model.config)
@@ -209,7 +255,7 @@ def run(args) -> int:
     elif args.view == "live" or (args.view == "auto" and sys.stdout.isatty()):
         view_stream = sys.stdout
     view = None if view_stream is None else LiveCanvasView(
-        text_side, prompt_text, view_stream, planned_canvases=planned, max_steps=settings.max_denoising_steps,
+        text_side, "" if args.chat else prompt_text, view_stream, planned_canvases=planned, max_steps=settings.max_denoising_steps,
         eos_ids=settings.eos_token_id or _ids(getattr(model.config, "eos_token_id", None)), pad_id=settings.pad_token_id,
         frame_time=args.frame_time, wait=args.view_wait)
     show_bars = args.progress if args.progress is not None else (view is None and sys.stderr.isatty())
@@ -220,10 +266,9 @@ def run(args) -> int:
     t1 = time.perf_counter()
     interrupted = True
     try:
-        variant = {} if args.semantics == "transformers" else {"semantics": args.semantics}
         result = generate(model, np.array([prompt_ids], dtype=np.int64), generation_config=settings,
                           random=seed_value, callback=Fanout(log, bars, view), **without_library_progress(generate),
-                          **variant)
+                          **({} if variant is None else {"semantics": variant}))
         interrupted = False
     finally:
         if bars is not None:
@@ -254,7 +299,7 @@ def run(args) -> int:
             "version": __version__, "denoising": log.to_json(),
         }, ensure_ascii=False))
     else:
-        print(prompt_text + text, flush=True)
+        print(text if args.chat else prompt + text, flush=True)  # a chat prints the reply, not the template
         print(f"[{n_real} tokens in {seconds:.2f} s: {n_real / max(seconds, 1e-9):.1f} tokens/s, "
               f"{float(result.tokens_per_forward[0]):.2f} tokens per forward, "
               f"steps per canvas {list(result.steps_per_canvas)}, backend {args.backend}]", file=sys.stderr)

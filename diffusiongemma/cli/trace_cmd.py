@@ -4,7 +4,7 @@ first tensor at which two traces part (file format: docs/TRACE_FORMAT.md).
     diffusiongemma trace --prompt "And God said" --seed 0 -o ref.trace          the shipped tiny model
     diffusiongemma trace --model DIR --prompt-ids 2,818,7 --steps 4 -o ref.trace
     diffusiongemma trace --model DIR --replay other.trace -o ours.trace         same prompt, settings, draws
-    diffusiongemma compare ref.trace port.trace [--atol 2e-4] [--rtol 1e-4] [--only forward|sampler|all] [--summary]
+    diffusiongemma compare ref.trace port.trace [--atol 2e-4] [--rtol 1e-4] [--only forward|sampler|all] [--full | --summary]
 
 ``compare`` exits with status 0 when every compared tensor agrees, 1 when a tolerance is exceeded (a
 divergence), and 2 when the files cannot be compared (unreadable, another model, other settings).
@@ -57,6 +57,9 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
                        help="reference (NumPy) or the compiled fast path (recorded around its generate)")
     trace.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bars on stderr (default: when stderr is a terminal)")
+    trace.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                       help="BLAS and OpenMP threads (default: the cores free at start, unless OMP_NUM_THREADS or "
+                            "another thread variable is set)")
     trace.set_defaults(handler=run_trace)
 
     compare = commands.add_parser("compare", help="find the first tensor at which two traces differ",
@@ -74,7 +77,11 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
                          help="forward: the model's tensors (encoder K/V, decoder input, layer outputs, logits); "
                               "sampler: the loop's (draft, draws, acceptance, canvases, stopping, commits, "
                               "output); all (default): both. See docs/TRACE_FORMAT.md, 'Golden traces'")
-    compare.add_argument("--summary", action="store_true", help="print only the result, not the per-tensor table")
+    listing = compare.add_mutually_exclusive_group()
+    listing.add_argument("--full", action="store_true",
+                         help="list every compared tensor (default: only the first differing tensors, with the "
+                              "two before the first divergence, then the result)")
+    listing.add_argument("--summary", action="store_true", help="print only the result, no tensor table")
     compare.set_defaults(handler=run_compare)
 
 
@@ -83,7 +90,7 @@ def run_compare(args) -> int:
 
     with Trace(args.a) as a, Trace(args.b) as b:
         comparison = compare_traces(a, b, atol=args.atol, rtol=args.rtol, only=args.only)
-        print(format_report(comparison, table=not args.summary))
+        print(format_report(comparison, table="full" if args.full else "none" if args.summary else "short"))
     return 0 if comparison.ok else 1
 
 
@@ -98,6 +105,9 @@ def run_trace(args) -> int:
 
     check_writable(args.output, "-o/--output")  # before the run, not after it
     path = args.model or default_model_dir()
+    from .generate_cmd import check_model_path
+
+    check_model_path(path)
     model = load_model(path, args.backend)
     if args.replay is not None:
         ids, mask, settings, tape = _replayed_run(args, model.config)
