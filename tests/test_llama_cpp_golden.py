@@ -152,3 +152,18 @@ def test_gguf_is_the_file_llama_cpp_ran(tmp_path, name):
     assert back.config == model.config
     assert all(np.array_equal(back.tensors[k], model.tensors[k]) for k in model.tensors)
     assert _encode_like_llama_cpp(path, golden["prompt"]) == golden["prompt_ids"]
+
+
+def test_llama_cpp_stages_are_its_float_order():
+    """T_n with the step fraction rounded first, and the logits multiplied by float(1 / T) (llama.cpp's temp_inv)."""
+    from diffusiongemma.reference.variants import SEMANTICS
+
+    schedule = SEMANTICS["llama.cpp"].temperature
+    f = np.float32
+    assert schedule(7, 9, 0.4, 0.8) == f(f(0.4) + f(f(f(0.8) - f(0.4)) * f(f(7) / f(9))))
+    assert schedule(7, 9, 0.4, 0.8) != f(f(0.4) + f(f(f(f(0.8) - f(0.4)) * f(7)) / f(9)))
+    z = np.array([[[1.0, -0.31630015, -2.0]]], dtype=np.float32)
+    T = f(0.7)
+    scaled = schedule.scale(z, T)
+    np.testing.assert_array_equal(scaled, z * f(f(1) / T))
+    assert not np.array_equal(scaled, z / T)

@@ -49,6 +49,14 @@ class CFloatSchedule:
         fraction = np.float32(np.float32(step) / np.float32(max_steps))
         return np.float32(lo + np.float32(np.float32(hi - lo) * fraction))
 
+    def scale(self, logits: np.ndarray, temp: np.float32 | None) -> np.ndarray:
+        """How T_n meets the logits in llama.cpp: ``row[v] * temp_inv`` with ``temp_inv = 1.0f / t`` (argmax,
+        entropy and the categorical draw all read this product), not ``z / T``."""
+        if temp is None:
+            return np.array(logits, dtype=np.float32, copy=True)
+        with np.errstate(over="ignore"):
+            return np.asarray(logits, dtype=np.float32) * np.float32(np.float32(1.0) / np.float32(temp))
+
 
 # ------------------------------------------------------------------------------------------ SC input
 @dataclass(frozen=True)
