@@ -86,6 +86,16 @@ def _compile(tmp_path, source: str, name: str) -> str:
     return str(exe)
 
 
+@pytest.fixture(scope="module")
+def stream_exe(tmp_path_factory):
+    return _compile(tmp_path_factory.mktemp("cxx"), STREAM_CPP, "stream")
+
+
+@pytest.fixture(scope="module")
+def words_exe(tmp_path_factory):
+    return _compile(tmp_path_factory.mktemp("cxx"), WORDS_CPP, "words")
+
+
 def _cpp_stream(exe: str, seed: int, V: int, C: int, steps: int):
     lines = subprocess.run([exe, str(seed), str(V), str(C), str(steps)], check=True, capture_output=True,
                            text=True).stdout.split("\n")
@@ -109,17 +119,17 @@ CASES = [(-1, 4096, 40, 3), (0, 4096, 40, 3), (12345, 7, 33, 2), (2**31 - 1, 262
 
 
 @pytest.mark.parametrize("seed, V, C, steps", CASES)
-def test_stream_matches_libstdcxx(tmp_path, seed, V, C, steps):
-    exe = _compile(tmp_path, STREAM_CPP, "stream")
+def test_stream_matches_libstdcxx(stream_exe, seed, V, C, steps):
+    exe = stream_exe
     want = _cpp_stream(exe, seed, V, C, steps)
     got = _ours(seed, V, C, steps)
     for name, a, b in zip(("canvas", "u", "renoise"), got, want):
         assert a.dtype == b.dtype and np.array_equal(a, b), name
 
 
-def test_stream_spans_several_twists(tmp_path):
+def test_stream_spans_several_twists(stream_exe):
     # 3 * 700 words per step: each step crosses a 624-word twist
-    exe = _compile(tmp_path, STREAM_CPP, "stream")
+    exe = stream_exe
     want = _cpp_stream(exe, 31337, 4096, 700, 3)
     got = _ours(31337, 4096, 700, 3)
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
@@ -129,8 +139,8 @@ EDGE_WORDS = [0, 1, 255, 256, 2**24 - 1, 2**24, 2**24 + 1, 2**31, 2**32 - 129, 2
               2**32 - 2, 2**32 - 1]
 
 
-def test_float_edges_match_libstdcxx(tmp_path):
-    exe = _compile(tmp_path, WORDS_CPP, "words")
+def test_float_edges_match_libstdcxx(words_exe):
+    exe = words_exe
     out = subprocess.run([exe, "f", "0"] + [str(w) for w in EDGE_WORDS], check=True, capture_output=True,
                          text=True).stdout.split()
     want = np.array([float.fromhex(x) for x in out], dtype=np.float32)
@@ -140,8 +150,8 @@ def test_float_edges_match_libstdcxx(tmp_path):
 
 
 @pytest.mark.parametrize("V", [3, 7, 4096, 1431655766, 2**31 + 1, 2**32 - 1])
-def test_int_redraws_match_libstdcxx(tmp_path, V):
-    exe = _compile(tmp_path, WORDS_CPP, "words")
+def test_int_redraws_match_libstdcxx(words_exe, V):
+    exe = words_exe
     threshold = (2**32 - V) % V
     words = list(range(0, 2**32, 2**32 // 97))
     if V % 2:  # words whose low product bits land just below the threshold (redrawn) and on it (kept)
