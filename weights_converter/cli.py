@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE,
                         help="maximum tensor bytes per output file, e.g. 2GB or 500MiB (default: 2GiB); "
                              "bounds the memory used besides the largest tensor")
+    parser.add_argument("--gguf-type", choices=("f32", "f16", "q8_0"), default="f32",
+                        help="when DST ends in .gguf, write a llama.cpp GGUF file of this type instead "
+                             "(default: f32; diffusiongemma/gguf_writer.py)")
     parser.add_argument("--force", action="store_true",
                         help="replace DST if it is an existing diffusiongemma checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
@@ -85,8 +88,13 @@ def _run(argv: list[str] | None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        summary = convert(args.src, args.dst, dtype=args.dtype, shard_size=args.shard_size,
-                          force=args.force, progress=not args.no_progress)
+        if args.dst.lower().endswith(".gguf"):  # a llama.cpp file, not a converted directory
+            from diffusiongemma.gguf_writer import write_gguf
+
+            summary = write_gguf(args.src, args.dst, args.gguf_type, force=args.force)
+        else:
+            summary = convert(args.src, args.dst, dtype=args.dtype, shard_size=args.shard_size,
+                              force=args.force, progress=not args.no_progress)
     except (CheckpointError, ConfigError, InputError, OSError) as exc:
         print(f"diffusiongemma-convert: error: {exc}", file=sys.stderr)
         return 1

@@ -28,7 +28,7 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
                                              "run with that peer's semantics), adaptations, defects "
                                              "(docs/PEERS.md). Exit status: 0 agree, 1 differ, 2 usage or setup "
                                              "error.")
-    parser.add_argument("peer", choices=PEERS, help="the implementation to check")
+    parser.add_argument("peer", choices=PEERS + ("llama.cpp",), help="the implementation to check")
     parser.add_argument("-m", "--model", default=None, metavar="DIR",
                         help="transformers-layout checkpoint directory (default: a tiny random checkpoint built "
                              "in a temporary directory, with every norm weight and scalar randomised)")
@@ -36,10 +36,17 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
                         help="seed of the inputs and of the peer's random stream, in [0, 2**64)")
     parser.add_argument("--canvases", type=int, default=2, help="canvases generated per sampler configuration")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    from .llama_cpp_peer import add_arguments as add_llama_cpp_arguments  # llama.cpp: an external binary
+
+    add_llama_cpp_arguments(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
+    if args.peer == "llama.cpp":
+        from .llama_cpp_peer import run as run_llama_cpp
+
+        return run_llama_cpp(args)
     from . import PeerUnavailable, crosscheck
 
     if args.canvases < 1:
