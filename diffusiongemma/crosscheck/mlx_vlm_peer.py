@@ -54,23 +54,29 @@ def version() -> str:
 
 
 def full_layer_shape(text: dict) -> tuple[int, int] | None:
-    """(head_dim, num_key_value_heads) of the full-attention layers as transformers reads them: a layer's
-    ``per_layer_config`` entry overrides ``text_config``, and a key the entry leaves out (or a layer without
-    an entry) keeps ``text_config``'s value. None when there is no ``per_layer_config`` (transformers then
-    converted ``global_head_dim`` / ``num_global_key_value_heads`` itself). Raises ``PeerUnavailable`` when
-    mlx-vlm cannot express the layout (one size for every full layer, nothing per sliding layer)."""
+    """(head_dim, num_key_value_heads) of the full-attention layers as transformers reads ``text_config``.
+
+    With a ``per_layer_config`` (transformers 5.15+ writes one, ``{}`` when no layer differs), a layer's
+    entry overrides ``text_config`` and a key the entry leaves out (or a layer without an entry) keeps
+    ``text_config``'s value. Without one, transformers converts ``global_head_dim`` (default 512) and
+    ``num_global_key_value_heads`` (default: ``text_config``'s KV heads). None when there is no full layer.
+    Raises ``PeerUnavailable`` when mlx-vlm cannot express the layout (it has one shape for every full
+    layer and nothing per sliding layer)."""
+    types = list(text.get("layer_types") or [])
     per_layer = text.get("per_layer_config")
-    if not per_layer:
-        return None
+    head_dim, kv_heads = int(text.get("head_dim", 256)), int(text.get("num_key_value_heads", 8))
+    if per_layer is None:
+        if "full_attention" not in types:
+            return None
+        kv = text.get("num_global_key_value_heads")
+        return int(text.get("global_head_dim", 512)), int(kv) if kv is not None else kv_heads
     if not isinstance(per_layer, dict):
         raise PeerUnavailable(f"text_config.per_layer_config must be an object, got {per_layer!r:.60}")
-    types = list(text.get("layer_types") or [])
     shapes, sliding = {}, []
     for i, kind in enumerate(types):
         over = per_layer.get(str(i), per_layer.get(i)) or {}
         if kind == "full_attention":
-            shapes[i] = (int(over.get("head_dim", text.get("head_dim", 256))),
-                         int(over.get("num_key_value_heads", text.get("num_key_value_heads", 8))))
+            shapes[i] = (int(over.get("head_dim", head_dim)), int(over.get("num_key_value_heads", kv_heads)))
         elif over:
             sliding.append(i)
     if sliding:
@@ -93,12 +99,12 @@ def adapt_checkpoint(model_dir: str, workdir: str) -> tuple[str, list[str]]:
         config = json.load(f)
     text = config.get("text_config", {})
     shape = full_layer_shape(text)
-    if shape is not None:
+    if shape is not None and (text.get("global_head_dim"), text.get("num_global_key_value_heads")) != shape:
         text["global_head_dim"], text["num_global_key_value_heads"] = shape
         done.append(f"config.json (temporary copy): text_config.global_head_dim={shape[0]} and "
-                    f"num_global_key_value_heads={shape[1]} set from per_layer_config as transformers reads it "
-                    "(missing keys fall back to text_config; mlx-vlm ignores per_layer_config and would assume "
-                    "512 / 2)")
+                    f"num_global_key_value_heads={shape[1]} set as transformers reads the full layers "
+                    "(per_layer_config, missing keys falling back to text_config; mlx-vlm ignores "
+                    "per_layer_config and would assume 512 / 2)")
     with open(os.path.join(target, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     if not os.path.isfile(os.path.join(target, "tokenizer.json")) and isinstance(text.get("vocab_size"), int):
