@@ -72,6 +72,7 @@ def test_live_view_redraws_in_place(capsys):
     assert "\x1b[J" in out and "step 1" in out and "committed" in out
 
 
+@pytest.mark.slow
 def test_console_script_installed():
     exe = shutil.which("diffusiongemma")
     assert exe is not None, "the diffusiongemma console script is not on PATH (pip install -e .)"

@@ -56,6 +56,7 @@ def test_prompt_errors_name_the_source(capsys, monkeypatch, args, stdin, message
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_undecodable_argv_bytes_get_the_named_error():
     """Bytes that are not UTF-8 on the real command line (Python hands them over as lone surrogates)."""
     proc = subprocess.run([sys.executable, "-m", "diffusiongemma", "generate", b"And \xff God", "-n", "8"],
@@ -101,6 +102,7 @@ def test_ignore_eos_runs_the_whole_budget(capsys, model):
     assert ignored["token_ids"][:end] == plain["token_ids"][:end]  # same draws up to the first commit
 
 
+@pytest.mark.slow
 def test_stop_reason_matches_the_library_and_is_said_in_text(capsys, model):
     C = model.config.canvas_length
     out = run_json(capsys, "And God said", "--seed", "9", "-n", str(4 * C))  # seed 9 ends with EOS (canvas 3)

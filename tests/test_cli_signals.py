@@ -19,6 +19,7 @@ def child_env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_generate_restores_the_terminal_and_exits_130():
     # the view waits 30 s after its first frame, so the signal surely arrives mid-run
     proc = subprocess.Popen([sys.executable, "-m", "diffusiongemma", "generate", "And God said", "--seed", "1",

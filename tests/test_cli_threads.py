@@ -91,6 +91,7 @@ def run_cli(env, *extra) -> dict:
     return json.loads(proc.stdout)["threads"]
 
 
+@pytest.mark.slow
 def test_the_command_runs_blas_on_the_chosen_threads():
     """A real run without thread variables: OpenBLAS (loaded when the package is imported) runs on the count
     chosen; a user's OMP_NUM_THREADS and wait policy are kept; --threads wins."""

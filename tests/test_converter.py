@@ -268,6 +268,7 @@ _low_halves = st.one_of(st.sampled_from([0x0000, 0x7FFF, 0x8000, 0x8001, 0xFFFF]
 _f32_words = st.tuples(st.integers(0, 0xFFFF), _low_halves).map(lambda hl: (hl[0] << 16) | hl[1])
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.lists(_f32_words, min_size=1, max_size=64))
 def test_float32_to_bfloat16_is_round_to_nearest_even(words):
@@ -338,6 +339,7 @@ def test_index_summary_and_side_files(hf_dir, tmp_path):
     assert f"{summary.parameter_count:,}" in text and f"vision_tower {vision}" in text and "bfloat16" in text
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(shard_size=st.integers(1_000, 1_500_000))
 def test_output_shards_respect_shard_size(hf_dir, shard_size):

@@ -48,6 +48,7 @@ def report(request, tiny_dir):
     return crosscheck(request.param, tiny_dir)
 
 
+@pytest.mark.slow
 def test_every_peer_agrees_with_the_reference_and_its_own_semantics(report):
     assert [r.name for r in report.forward] == ["prefill", "self-conditioning", "after commit", "image id in context"]
     for row in report.forward:
@@ -259,6 +260,7 @@ def tiny_configs(draw):
     return spec, draw(st.integers(0, 2 ** 16)), draw(st.booleans()), draw(st.integers(6, 12))
 
 
+@pytest.mark.slow
 @settings(max_examples=3, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(tiny_configs())

@@ -528,6 +528,7 @@ def test_quantized_logits_within_derived_bound(tmp_path, hf_smooth, prompt, qtyp
     assert error >= bound / 60, f"{qtype.name}: error {error:.3e} suspiciously far below {bound:.3e}"
 
 
+@pytest.mark.slow
 def test_fast_model_and_converter_read_gguf(tmp_path, hf, prompt):
     """``fast.Model.from_pretrained`` and ``diffusiongemma-convert x.gguf out/`` go through the same loader."""
     from diffusiongemma import fast

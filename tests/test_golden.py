@@ -152,6 +152,7 @@ sys.meta_path.insert(0, _Blocked())
 '''
 
 
+@pytest.mark.slow
 def test_check_port_runs_without_torch(tmp_path):
     """examples/check_port.py (forward, sampler, whole loop on every case) in a process without torch."""
     (tmp_path / "sitecustomize.py").write_text(BLOCKER)

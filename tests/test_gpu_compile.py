@@ -40,6 +40,7 @@ def compiled(request) -> cb.CompileResult:
     return cb.compile_source(cb.assemble_all(), request.param, compiler=compiler, name="all kernels")
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_and_is_reported(compiled):
     declared = set(gl.signatures())
     assert declared, "no kernels parsed from fast/cuda"
@@ -61,6 +62,7 @@ def test_static_shared_memory_fits_without_opt_in(compiled):
         assert k.shared_memory <= gl.DEFAULT_SHARED_LIMIT, (k.name, k.shared_memory)
 
 
+@pytest.mark.slow
 def test_each_source_compiles_on_its_own():
     from concurrent.futures import ThreadPoolExecutor
 

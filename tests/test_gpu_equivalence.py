@@ -98,6 +98,7 @@ def forward_round_trip(ref, fast, B, P, rng, mask=None, steps=1):
 
 
 # ------------------------------------------------------------------------------------------------ forward
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
 @given(data=st.data())
@@ -115,6 +116,7 @@ def test_forward_matches_reference(device, data):
     forward_round_trip(ref, fast, B, P, rng, mask, steps=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["canvas of 1", "vocab 1037", "window longer than the cache", "head dim 512",
                                   "every token on both experts", "experts no token chooses"])
 def test_edge_shapes_match_reference(device, case):
@@ -142,6 +144,7 @@ def test_edge_shapes_match_reference(device, case):
     forward_round_trip(ref, fast, B, P, np.random.default_rng(3), steps=1)
 
 
+@pytest.mark.slow
 def test_larger_config_matches_reference(device):
     """Several attention key tiles and query blocks, head dims 128/256, vocabulary of several chunks."""
     config = tiny_config(layer_types=(SLIDING, FULL), vocab=3000, hidden=128, heads=8, kv=4, kv_full=2,
@@ -268,6 +271,7 @@ def test_moe_pipeline_on_crafted_routings(device, routing):
 
 
 # ------------------------------------------------------------------------------------------------ generation
+@pytest.mark.slow
 @pytest.mark.parametrize("B,max_new,stability,confidence", [(2, 40, 1, 1.5), (3, 33, None, None)])
 def test_loop_matches_reference_loop_on_identical_logits(device, B, max_new, stability, confidence):
     config = tiny_config()
@@ -286,6 +290,7 @@ def test_loop_matches_reference_loop_on_identical_logits(device, B, max_new, sta
     assert got.steps_per_canvas == expected.steps_per_canvas
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed,B", [(0, 1), (2, 3)])
 def test_generation_trajectory_matches_reference(device, seed, B):
     """Teacher-forced parity along a real generation (SPEC §14 check 3 applied to our own reference): every
@@ -327,6 +332,7 @@ def _near_tie(ref_logits: np.ndarray, temperature, b: int, c: int, tokens: tuple
     return float(probs[0, lo + 1:hi].astype(np.float64).sum()) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_generate_matches_reference_with_the_same_draws(device, seed):
     """Free-running ``generate`` with the same seed on a contractive model (self-conditioning gain 1e-3,
@@ -374,6 +380,7 @@ def test_generate_matches_reference_with_the_same_draws(device, seed):
 
 
 # ------------------------------------------------------------------------------------------------ transformers
+@pytest.mark.slow
 def test_logits_match_transformers(device, tmp_path):
     from tests.hf_oracle import hf_cache, hf_denoise, hf_encode
     from tests.hf_tiny import save_tiny, tiny_model

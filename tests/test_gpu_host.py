@@ -191,6 +191,7 @@ class Recorder:
         self.canvases.append(info)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B,max_new,stability,confidence,draws,reaches", [
     (1, 32, 1, 1.2, "seeded", ""),
     (2, 40, 1, 1.5, "seeded", "partial eos"),  # rows freeze at different steps, EOS in one row
@@ -237,6 +238,7 @@ def test_loop_matches_reference_loop_on_identical_logits(B, max_new, stability, 
         assert any(s.finished.any() for s in rec_ref.steps), "no row ever finished denoising"
 
 
+@pytest.mark.slow
 def test_generate_on_the_simulated_device_keeps_one_vocab_buffer():
     config = tiny_config(vocab=211)  # a vocabulary size no other dimension shares
     ref, fast = pair(config, seed=2, final_norm_gain=25.0)
@@ -282,6 +284,7 @@ def test_generate_takes_a_host_denoiser_like_the_reference_and_reports_nan():
                       logits_hook=nan_logits)
 
 
+@pytest.mark.slow
 def test_shipped_model_on_the_gpu_sim_backend_gives_the_reference_tokens():
     """What ``diffusiongemma generate --backend gpu-sim`` runs (checkpoint.load_model / generate_function)
     gives the reference's tokens on the shipped model: one canvas, three denoising steps, seed 1."""

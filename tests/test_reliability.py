@@ -453,6 +453,7 @@ def _hidden(tmp_path):
     return sorted(n for n in os.listdir(tmp_path) if n.startswith("."))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moment", ["after-moving-the-old-away", "before-deleting-the-old", "mid-write"])
 def test_a_killed_replace_never_leaves_the_destination_missing(tmp_path, moment):
     config, old = tiny(seed=1)

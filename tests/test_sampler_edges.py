@@ -284,6 +284,7 @@ def test_gpu_draws_equal_the_reference_at_the_edges(case):
     assert_reference_draws(probs, u, got, f"cuda-sim {kind} V={V} T={temp} {strategy}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tiny_masses", "gap_at_end"])
 def test_large_vocabulary_edges(kind):
     """V = 262,144 (the released models' vocabulary): 128 blocks, 256 chunks; a few edge uniforms each."""

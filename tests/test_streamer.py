@@ -82,6 +82,7 @@ def test_streamer_without_put_or_with_logits_is_refused():
         StreamerCallback(wants_logits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip_prompt", [False, True])
 def test_text_diffusion_streamer_prints_what_transformers_prints(shipped, hf_tokenizer, skip_prompt):
     from transformers import TextDiffusionStreamer as HFTextDiffusionStreamer
