@@ -559,7 +559,9 @@ def test_a_prompt_longer_than_max_position_embeddings_is_refused(backend):
 def test_a_run_larger_than_the_available_memory_is_refused(monkeypatch):
     config, tensors = tiny()
     model = ReferenceModel(config, tensors)
-    monkeypatch.setattr(generate_module, "available_memory", lambda: 10 ** 6)
+    from diffusiongemma.reference.support import checks as checks_module  # where check_budget looks it up
+
+    monkeypatch.setattr(checks_module, "available_memory", lambda: 10 ** 6)
     with pytest.raises(InputError, match=r"needs about [\d,]+ bytes .* but 1,000,000 bytes"):
         generate_module.generate(model, np.ones((64, 8), np.int64), max_new_tokens=512, encoder=_sentinel_encoder)
 
