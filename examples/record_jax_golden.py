@@ -28,7 +28,7 @@ the recording and in the replay alike. JAX rounds the self-conditioning embeddin
 reference's float32 embedding differs from XLA's in the last bit, so now and then a component rounds to the
 other bfloat16 neighbour, which at full scale moves the logits by ~1e-3, enough for the low temperatures that
 make early stops happen on a random model to turn it into a different token a few steps later. At 1/8 the
-same flips stay around 1e-4 and the replay is exact. ``JAX_GOLDEN_EVERY_LOGITS=1`` keeps every step's raw
+same flips stay below 4e-4 and the replay is exact. ``JAX_GOLDEN_EVERY_LOGITS=1`` keeps every step's raw
 logits in the .npz (for finding where a replay departs).
 
 Files (``tests/golden/jax/``):
