@@ -167,3 +167,13 @@ def test_llama_cpp_stages_are_its_float_order():
     scaled = schedule.scale(z, T)
     np.testing.assert_array_equal(scaled, z * f(f(1) / T))
     assert not np.array_equal(scaled, z / T)
+
+
+def test_llama_cpp_stops_after_a_canvas_cut_at_a_loop():
+    """llama-diffusion-cli ends the reply at the first canvas it cuts, at an end id or at a repetition loop."""
+    from diffusiongemma.reference.variants import SEMANTICS
+
+    eos = SEMANTICS["llama.cpp"].eos
+    tokens = np.array([[3] + [9] * 7 + [4, 5], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [3, 9, 9, 9, 9, 9, 9, 4, 5, 6]])
+    kept, finished = eos.finalize(tokens, np.zeros(3, dtype=bool), (1,), 0)
+    assert finished.tolist() == [True, False, False] and np.array_equal(kept, tokens)  # six 9s are no loop

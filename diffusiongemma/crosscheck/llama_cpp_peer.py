@@ -458,12 +458,17 @@ def teacher_forced(model: Any, peer: LlamaCppRun, generation_config: Any, *, num
     A difference is called a near tie when the reference's own margin is within the forward error: the gap
     between the two largest temperature-scaled logits below ``2 * tolerance * max|logit| / T`` for an argmax,
     the running entropy sum within ``2 * tolerance * max|logit| / T`` of the bound for an acceptance.
-    Returns {"steps", "argmax_differences", "accepted_differences", "beyond_tolerance": [descriptions]}.
+    With llama.cpp's uniforms in the trace (``u``), the categorical draws at accepted positions are compared too
+    (a near tie: ``u`` within the same slack of a cumulative boundary).
+    Returns {"steps", "argmax_differences", "accepted_differences", "draw_differences", "beyond_tolerance"}.
     """
     from diffusiongemma.reference.sampling import softmax_and_entropy
 
     g = generation_config
-    out = {"steps": 0, "argmax_differences": 0, "accepted_differences": 0, "beyond_tolerance": []}
+    from diffusiongemma.reference.variants.llama_cpp_draws import first_reaching
+
+    out = {"steps": 0, "argmax_differences": 0, "accepted_differences": 0, "draw_differences": 0,
+           "beyond_tolerance": []}
     with (llama_cpp_numerics(model) if numerics else contextlib.nullcontext()):
         for b, block in enumerate(peer.blocks):
             cache = model.new_cache(1)
@@ -473,8 +478,8 @@ def teacher_forced(model: Any, peer: LlamaCppRun, generation_config: Any, *, num
                 logits = model.denoise(np.asarray([record["input"]], dtype=np.int64), cache, sc)[0]
                 T = llama_cpp_temperature(s, g.max_denoising_steps, g.t_min, g.t_max)
                 z = logits * np.float32(np.float32(1.0) / T)
-                _, entropy = softmax_and_entropy(z[None])
-                entropy = entropy[0]
+                probs, entropy = softmax_and_entropy(z[None])
+                probs, entropy = probs[0], entropy[0]
                 slack = 2 * tolerance * float(np.abs(logits).max()) / float(T)
                 out["steps"] += 1
                 argmax = z.argmax(axis=-1)
@@ -494,6 +499,18 @@ def teacher_forced(model: Any, peer: LlamaCppRun, generation_config: Any, *, num
                     if nearest > slack * len(entropy):
                         out["beyond_tolerance"].append(f"block {b} step {s}: accepted set differs, the entropy sums "
                                                        f"are {nearest:.3g} from the bound")
+                if "u" in record:  # the draws at accepted positions, from llama.cpp's own uniforms
+                    u = np.asarray(record["u"], dtype=np.float32)
+                    sampled = first_reaching(probs, u)
+                    for i in record["accepted"]:
+                        if sampled[i] != record["sampled"][i]:
+                            out["draw_differences"] += 1
+                            cdf = np.cumsum(probs[i], dtype=np.float64)
+                            gap = float(np.min(np.abs(cdf - float(u[i]))))
+                            if gap > slack:
+                                out["beyond_tolerance"].append(
+                                    f"block {b} step {s} position {i}: draw {int(sampled[i])} vs llama.cpp "
+                                    f"{record['sampled'][i]}, u {float(u[i]):.7g} is {gap:.3g} from a boundary")
                 sc = z[None]
     return out
 
@@ -582,7 +599,8 @@ def report_text(report: dict) -> str:
     forced = report["teacher_forced"]
     if forced is not None:
         lines.append(f"teacher-forced on llama.cpp's inputs: {forced['steps']} steps, {forced['argmax_differences']} "
-                     f"argmax positions and {forced['accepted_differences']} accepted sets differ, "
+                     f"argmax positions, {forced['accepted_differences']} accepted sets and {forced['draw_differences']} "
+                     f"accepted draws differ, "
                      f"{len(forced['beyond_tolerance'])} beyond float rounding")
     if report["identical"]:
         lines.append("AGREE: " + ("every step and " if report["traced"] else "") + "the reply, token for token "

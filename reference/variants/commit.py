@@ -91,6 +91,8 @@ class EosRule:
             return finalize_canvas(tokens, finished_before, eos, 0 if pad_token_id is None else pad_token_id, forced)
         tokens = np.array(tokens, dtype=np.int64, copy=True)
         hit = np.isin(tokens, np.asarray(eos, dtype=np.int64)).any(axis=-1) if eos else np.zeros(len(tokens), bool)
+        if self.cut == "before-or-loop":  # llama.cpp stops after a canvas it cuts, at an end id or at a loop
+            hit = hit | np.array([llama_cpp_cut(row.tolist(), eos) < tokens.shape[1] for row in tokens], dtype=bool)
         finished = np.asarray(finished_before, dtype=bool) | hit
         if forced is not None:
             finished = finished | np.asarray(forced, dtype=bool)
