@@ -308,3 +308,22 @@ def test_an_empty_or_foreign_file_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"not a GGUF file \(magic bytes b'PK\\x03\\x04'"):
         load_gguf_checkpoint(foreign)
     assert os.path.getsize(foreign) == 64
+
+
+def test_tensors_come_from_the_file_whose_header_was_read(tmp_path, hf, good):
+    """A file renamed over the path after the header was read (a replace) does not mix its bytes in: the
+    tensors are read through the descriptor the header came from."""
+    from diffusiongemma.weights_converter.gguf import GGUFCheckpoint, iter_gguf_tensors
+
+    path = damaged(tmp_path, good, "m.gguf")
+    checkpoint = GGUFCheckpoint.open(path)
+    other = bytearray(good)
+    info = walk(good)["tensors"]["output_norm.weight"]
+    start = -(-walk(good)["header_end"] // 32) * 32 + info["offset"]
+    other[start:start + 4 * info["ne"][0]] = np.full(info["ne"][0], 7.0, np.float32).tobytes()
+    replacement = damaged(tmp_path, other, "new.gguf")
+    os.replace(replacement, path)
+    tensors = dict(iter_gguf_tensors(checkpoint))
+    assert not np.any(tensors["final_norm"] == 7.0)
+    _, expected = load_gguf_checkpoint(path)  # a new reader sees the new file
+    assert np.all(expected["final_norm"] == 7.0)

@@ -55,6 +55,7 @@ import os
 import struct
 from collections import Counter
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any, Iterator
 
 import numpy as np
@@ -407,7 +408,7 @@ def _walk(data, size: int, counts: tuple[int, int] | None = None) -> GGUFHeader:
     return GGUFHeader(version, alignment, fields, tensors, header_end, data_start)
 
 
-def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
+def read_gguf_header(path: str | os.PathLike, fd: int | None = None) -> GGUFHeader:
     """The checked header of the GGUF file ``path`` (no tensor data read; the file is memory-mapped).
 
     Refuses, with ``GGUFLayoutError`` naming the key or tensor: a bad magic, version or byte order; a count
@@ -420,9 +421,11 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
     import mmap
 
     path = os.fspath(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    if fd is None:  # ``fd``: an open descriptor of ``path``, read instead of opening the name again
+        with open(path, "rb") as f:
+            return read_gguf_header(path, f.fileno())
+    size = os.fstat(fd).st_size
+    data = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else b""
     try:
         try:
             return _walk(data, size)
@@ -458,6 +461,12 @@ class GGUFCheckpoint:
     tensors: dict[str, GGUFTensorInfo]  # GGUF tensor name -> tensor info (offset, type, ne)
     config: ModelConfig | None = None  # filled by ``open`` from the metadata
     alignment: int = DEFAULT_ALIGNMENT
+    fd: int | None = dataclass_field(default=None, repr=False)  # the file as opened: tensors come from the same bytes
+
+    def __del__(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "GGUFCheckpoint":
@@ -470,9 +479,15 @@ class GGUFCheckpoint:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise CheckpointError(f"GGUF file {path!r} does not exist")
-        header = read_gguf_header(path)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        try:
+            header = read_gguf_header(path, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        # the descriptor stays open: a file renamed over ``path`` meanwhile cannot mix its tensors in
         checkpoint = cls(path=path, fields=header.fields, tensors={t.name: t for t in header.tensors},
-                         alignment=header.alignment)
+                         alignment=header.alignment, fd=fd)
         arch = checkpoint.string("general.architecture")
         if arch != ARCHITECTURE:
             raise CheckpointError(f"{path}: general.architecture is {arch!r}, expected {ARCHITECTURE!r} "
@@ -557,7 +572,10 @@ class GGUFCheckpoint:
 
         tensor = self.tensors[name]
         qtype = GGMLQuantizationType(tensor.tensor_type)
-        raw = np.fromfile(self.path, dtype=np.uint8, count=tensor.n_bytes, offset=tensor.data_offset)
+        if self.fd is None or not hasattr(os, "pread"):
+            raw = np.fromfile(self.path, dtype=np.uint8, count=tensor.n_bytes, offset=tensor.data_offset)
+        else:  # from the descriptor opened with the header (a writable copy of the bytes)
+            raw = _pread(self.fd, tensor.n_bytes, tensor.data_offset)
         if raw.size != tensor.n_bytes:
             raise CheckpointError(f"{self.path}: tensor {name!r} is truncated (the file shrank after its header "
                                   "was read)")
@@ -578,6 +596,20 @@ class GGUFCheckpoint:
                                   "cannot dequantize") from exc
         out = np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
         return out
+
+
+def _pread(fd: int, count: int, offset: int) -> np.ndarray:
+    """``count`` bytes of ``fd`` from ``offset`` as a writable uint8 array (fewer at the end of the file); read
+    in pieces, since one ``pread`` returns at most about 2 GiB on Linux."""
+    out = np.empty(count, dtype=np.uint8)
+    done = 0
+    while done < count:
+        piece = os.pread(fd, min(count - done, 1 << 30), offset + done)
+        if not piece:
+            break
+        out[done:done + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+        done += len(piece)
+    return out[:done]
 
 
 # ================================================================================================ config
