@@ -53,6 +53,7 @@ DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "te
 # name, model ("shipped" or a random_tiny_model seed), prompt, draw seed, -n, logits positions kept (None: all)
 CASES = [
     ("shipped-seed1", "shipped", "And God said", 1, 64, 4),
+    ("shipped-seed2", "shipped", "And God said", 2, 64, 4),  # the first canvas is cut at a repetition loop
     ("shipped-seed7", "shipped", "In the beginning", 7, 32, 4),
     ("tiny0-seed1", 0, "And God said", 1, 48, None),
     ("tiny0-seed2", 0, "And God said", 2, 48, None),

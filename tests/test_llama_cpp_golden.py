@@ -70,6 +70,8 @@ def test_goldens_cover_the_cases():
     assert any(len(block) < g["generation"]["max_denoising_steps"] for g in tiny for block in g["blocks"])  # early stop
     assert any(len(g["tokens"]) < len(g["blocks"]) * 16 for g in tiny)  # a reply cut by an end token
     assert all(g["traced"] for g in goldens)
+    # a reply cut at a repetition loop (no end id in it): llama.cpp stops after that canvas
+    assert any(len(g["tokens"]) < 16 * len(g["blocks"]) and 1 not in g["blocks"][-1][-1]["argmax"] for g in goldens)
 
 
 @pytest.mark.parametrize("name", NAMES)
