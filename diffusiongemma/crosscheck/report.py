@@ -124,8 +124,8 @@ class Report:
                              + f", {tf.get('caches_compared', 0)} cache(s) compared; context: {tf.get('context', '?')}")
             sc = g.sampler
             if sc:
-                lines.append(f"       sampler on the peer's logits and draws: {sc.get('steps', 0)} steps, "
-                             f"{sc.get('canvases', 0)} canvases checked")
+                lines.append(f"       sampler on the peer's logits and draws: steps checked {sc.get('steps', 0)}, "
+                             f"canvases committed {sc.get('canvases', 0)}")
             fr = g.free_run
             if fr:
                 state = "tokens identical" if fr.get("agree") else "tokens differ"
