@@ -420,12 +420,14 @@ def commit_canvas(k: int, draft: np.ndarray, steps: int, sequences: np.ndarray, 
 
 # ================================================================================================ lengths
 def new_token_budget(config: GenerationConfig, context_length: int) -> int:
-    """transformers' ``_prepare_generated_length``: max_length wins only while max_new_tokens is 256."""
-    if config.max_length is not None and config.max_new_tokens == DEFAULT_MAX_NEW_TOKENS:
-        budget = config.max_length - context_length
-        if budget <= 0:
-            raise InputError(f"max_length {config.max_length} leaves no room for new tokens after "
-                             f"{context_length} prompt/cached tokens")
+    """transformers' ``_prepare_generated_length``: max_length wins only while max_new_tokens is 256. A
+    max_length that leaves no room after the prompt and the cache is refused (``InputError``), as the
+    command line refuses it."""
+    budget = None if config.max_length is None else config.max_length - context_length
+    if budget is not None and budget <= 0:  # refused whatever max_new_tokens is (upstream would make one canvas)
+        raise InputError(f"max_length {config.max_length} leaves no room for new tokens after "
+                         f"{context_length} prompt/cached tokens")
+    if budget is not None and config.max_new_tokens == DEFAULT_MAX_NEW_TOKENS:
         return budget
     return config.max_new_tokens
 

@@ -119,6 +119,8 @@ def test_cached_tokens_count_toward_max_length():
     assert result.sequences.shape == (1, 3 + C)
     with pytest.raises(InputError, match="max_length 13 leaves no room"):
         generate(model, ids, cache=StubCache(length=10), max_length=13)
+    with pytest.raises(InputError, match="max_length 13 leaves no room"):  # also with a token budget set
+        generate(model, ids, cache=StubCache(length=10), max_length=13, max_new_tokens=32)
 
 
 # ------------------------------------------------------------------------------------------------ draws and inputs
