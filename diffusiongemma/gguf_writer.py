@@ -165,8 +165,11 @@ def _model_metadata(w: Any, config: ModelConfig) -> None:
     w.add_uint32("diffusion.canvas_length", config.canvas_length)
 
 
-def _generation_metadata(w: Any, src: str) -> None:
-    """``diffusion.eb_*`` from the source's generation settings (absent keys: llama.cpp's defaults apply)."""
+def _generation_metadata(w: Any, src: str, notes: list[str] | None = None) -> None:
+    """``diffusion.eb_*`` from the source's generation settings (absent keys: llama.cpp's defaults apply).
+
+    llama.cpp's CLI reads these floats back through ``std::to_string`` ("%f", six decimals) and ``strtof``; a
+    value that does not survive that (1e-7 becomes 0) is written as is and named in ``notes``."""
     from diffusiongemma.checkpoint import load_generation_config
 
     try:
@@ -179,6 +182,12 @@ def _generation_metadata(w: Any, src: str) -> None:
     w.add_float32("diffusion.eb_entropy_bound", float(gen.entropy_bound))
     w.add_uint32("diffusion.eb_stability_threshold", int(gen.stability_threshold))
     w.add_float32("diffusion.eb_confidence_threshold", float(gen.confidence_threshold))
+    for key, value in (("t_min", gen.t_min), ("t_max", gen.t_max), ("entropy_bound", gen.entropy_bound),
+                       ("confidence_threshold", gen.confidence_threshold)):
+        seen = np.float32(float(f"{float(np.float32(value)):f}"))
+        if notes is not None and seen != np.float32(value):
+            notes.append(f"diffusion.eb_{key} = {value!r} reaches llama.cpp's sampler as {float(seen)!r} (it reads "
+                         "the value back printed with six decimals)")
 
 
 def _tokenizer_metadata(gguf: Any, w: Any, src: str, config: ModelConfig, notes: list[str]) -> str:
@@ -324,7 +333,7 @@ def write_model_gguf(model: Any, text_source: str | os.PathLike, dst: str | os.P
         w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type])
         _model_metadata(w, config)
-        _generation_metadata(w, text_source)
+        _generation_metadata(w, text_source, notes)
         kind = _tokenizer_metadata(gguf, w, text_source, config, notes)
         tensors: list[tuple[str, np.ndarray]] = [(gguf_name(n), a) for n, a in model.tensors.items()]
         freqs = _rope_freqs(config)

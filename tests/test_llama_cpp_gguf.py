@@ -201,3 +201,13 @@ def test_byte_tokenizer_of_the_tiny_model():
     ids = tokenizer.encode("And God said", add_special_tokens=True).ids
     assert ids[0] == 2 and tokenizer.decode(ids, skip_special_tokens=True) == "And God said"
     assert json.loads(tokenizer.to_str())["pre_tokenizer"]["type"] == "ByteLevel"
+
+
+def test_sampler_floats_llama_cpp_would_round_are_named(tmp_path):
+    write_tiny_checkpoint_text(str(tmp_path / "text"))
+    settings = json.loads((tmp_path / "text" / "generation_config.json").read_text())
+    settings["confidence_threshold"] = 1e-7  # printed "%f": 0.000000
+    (tmp_path / "text" / "generation_config.json").write_text(json.dumps(settings))
+    summary = write_model_gguf(random_tiny_model(0), tmp_path / "text", tmp_path / "t.gguf")
+    assert any("eb_confidence_threshold = 1e-07 reaches llama.cpp's sampler as 0.0" in n for n in summary.notes)
+    assert not any("eb_t_min" in n for n in summary.notes)  # 0.1 survives six decimals
