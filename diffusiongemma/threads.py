@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
 import time
 from typing import Mapping
 
@@ -140,13 +141,59 @@ def configure(threads: int | None = None) -> int | None:
     if count is not None:
         from threadpoolctl import threadpool_limits
 
-        import numpy  # noqa: F401  (loads the BLAS to limit)
-
-        threadpool_limits(limits=count, user_api="blas")  # kept in force: the limiter is not a context here
         threadpool_limits(limits=count, user_api="openmp")
+        _limit_blas_when_loaded(count)
     _state.update(threads=count, chosen_by=chosen_by, wait_policy=os.environ.get(WAIT_VARIABLE)
                   or _openmp["wait_policy"])
     return count
+
+
+def _limit_blas(count: int) -> None:
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=count, user_api="blas")  # kept in force: the limiter is not a context here
+
+
+class _AfterNumpy:
+    """An import hook that limits NumPy's BLAS as soon as NumPy has been imported, so that importing the
+    package does not import NumPy itself (a command's start-up stays light, and a Ctrl-C while NumPy loads
+    reaches the command, which reports it in one line)."""
+
+    count: int | None = None
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "numpy" or self.count is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                run, hook = spec.loader.exec_module, self
+
+                def exec_module(module, _run=run):
+                    _run(module)
+                    count, hook.count = hook.count, None
+                    if count is not None:
+                        _limit_blas(count)
+
+                spec.loader.exec_module = exec_module
+                return spec
+        return None
+
+
+_AFTER_NUMPY = _AfterNumpy()
+
+
+def _limit_blas_when_loaded(count: int) -> None:
+    """Limit the BLAS now if NumPy is loaded, else as soon as it is."""
+    if "numpy" in sys.modules:
+        _AFTER_NUMPY.count = None
+        _limit_blas(count)
+        return
+    _AFTER_NUMPY.count = count
+    if _AFTER_NUMPY not in sys.meta_path:
+        sys.meta_path.insert(0, _AFTER_NUMPY)
 
 
 def blas_threads() -> list[int]:
