@@ -9,7 +9,8 @@ test, the environment variables, the thread counts of every BLAS and OpenMP libr
 (an in-process run of the command line sizes them, ``torch.set_num_threads`` changes torch's), and what
 ``diffusiongemma.threads`` reports. So the suite passes in any order (CI runs it in a random one:
 pytest-randomly, whose seed is printed in the header; ``-p randomly --randomly-seed=N`` replays an order)
-and with any environment the caller has. ``-m "not slow"`` skips the slow tests.
+and with any environment the caller has; a test that checks what the other tests of its module did is
+marked ``last_in_module`` and kept after them. ``-m "not slow"`` skips the slow tests.
 """
 
 from __future__ import annotations
@@ -18,6 +19,18 @@ import os
 import sys
 
 import pytest
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``last_in_module`` (they check what the other tests of their module did) run after the
+    other tests of their module, also when pytest-randomly has shuffled the order."""
+    yield
+    last = [item for item in items if item.get_closest_marker("last_in_module")]
+    for item in last:
+        items.remove(item)
+        module = [n for n, other in enumerate(items) if getattr(other, "module", None) is item.module]
+        items.insert(module[-1] + 1 if module else len(items), item)
 
 
 def _thread_pools() -> list:

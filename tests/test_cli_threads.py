@@ -119,6 +119,24 @@ print(json.dumps({"described": threads.describe(), "pools": pools,
 """
 
 
+LOADS_NUMPY_LATER = r"""
+import json, sys
+from diffusiongemma import threads
+assert "numpy" not in sys.modules, "importing the package loaded NumPy"
+threads.configure(threads=1)  # OpenBLAS would start one thread per core
+import numpy  # the import hook limits its BLAS once it has loaded
+print(json.dumps(threads.describe()))
+"""
+
+
+def test_numpy_loaded_after_the_package_is_limited_too():
+    proc = subprocess.run([sys.executable, "-c", LOADS_NUMPY_LATER], capture_output=True, text=True, env=clean_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    described = json.loads(proc.stdout)
+    assert (described["chosen_by"], described["blas_threads"]) == ("threads=", [1])
+
+
 def test_the_library_is_sized_like_the_command():
     """Importing the package sizes BLAS and the kernels' OpenMP to the free cores, without writing a thread
     variable into the environment that child processes would inherit."""

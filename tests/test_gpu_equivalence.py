@@ -398,6 +398,8 @@ def test_logits_match_transformers(device, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ coverage
+@pytest.mark.slow
+@pytest.mark.last_in_module
 def test_every_kernel_was_launched(device):
     """Runs last in this module: every ``extern "C" __global__`` kernel of fast/gpu/cuda/*.cu (listed from
     the sources themselves) was launched on this device by the tests above (run the whole module)."""
