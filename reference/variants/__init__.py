@@ -16,6 +16,8 @@ One file per stage, each stage a small frozen object with a ``name`` (what ``--s
     stopping.py      stop_comparison (< or <=), stop_history (what "stable" compares)
     commit.py        commit (what a canvas commits), eos (end-token rule), last_canvas (canvas length)
     window.py        canvas_window (the prompt keys a canvas query sees in a sliding layer)
+    llama_cpp_draws.py, jax_draws.py   the peers' own random streams as draw sources: ``LlamaCppDraws(seed)``
+                     and ``JaxDraws(seed)`` reproduce those implementations' runs from the seed alone
 
 What the reference cannot reproduce is said where it matters (``Semantics.note``).
 """
@@ -24,8 +26,11 @@ from __future__ import annotations
 
 from ..stages import SEMANTICS, STAGES, TRANSFORMERS, Semantics, get_semantics, register_semantics
 from . import acceptance, commit, draw, stopping, temperature, window
+from .jax_draws import JaxDraws
+from .llama_cpp_draws import LlamaCppDraws
 
-__all__ = ["Semantics", "SEMANTICS", "TRANSFORMERS", "STAGES", "SWITCHES", "get_semantics"]
+__all__ = ["Semantics", "SEMANTICS", "TRANSFORMERS", "STAGES", "SWITCHES", "get_semantics", "JaxDraws",
+           "LlamaCppDraws"]
 
 register_semantics(*[(field, stage) for field, choices in (
     ("commit", commit.COMMITS), ("stop_comparison", stopping.COMPARISONS), ("stop_history", stopping.HISTORIES),

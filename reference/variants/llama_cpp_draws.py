@@ -48,11 +48,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..draws import DrawSource
-
-try:
-    from ..support.errors import InputError
-except ImportError:  # the layout before reference/support/
-    from ..errors import InputError
+from ..support.errors import InputError
 
 __all__ = ["LlamaCppDraws", "MT19937", "uniform_int", "uniform_float", "DEFAULT_SEED"]
 
