@@ -138,7 +138,9 @@ def configure(threads: int | None = None) -> int | None:
     else:
         count, chosen_by = choose_thread_count(), "diffusiongemma"
     _load_openmp(count)
-    if count is not None:
+    if count is None:
+        _AFTER_NUMPY.count = None  # no longer limit a NumPy loaded later (the user's setting wins now)
+    else:
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(limits=count, user_api="openmp")
