@@ -15,6 +15,12 @@ from diffusiongemma.cli import live_view
 from diffusiongemma.cli.main import main
 
 
+def _default_sigint():
+    """In the child before exec: Ctrl-C's default disposition. A suite started in the background by a shell
+    without job control inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def child_env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -24,7 +30,8 @@ def test_ctrl_c_in_generate_restores_the_terminal_and_exits_130():
     # the view waits 30 s after its first frame, so the signal surely arrives mid-run
     proc = subprocess.Popen([sys.executable, "-m", "diffusiongemma", "generate", "And God said", "--seed", "1",
                              "--view", "live", "--view-wait", "--frame-time", "30"], bufsize=0,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(),
+                            preexec_fn=_default_sigint)
     first = proc.stdout.read(1)  # the first frame is being drawn: the run is under way
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
