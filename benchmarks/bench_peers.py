@@ -156,6 +156,8 @@ def write_model(name: str, workdir: str, q8: bool) -> dict:
     from diffusiongemma.tiny import write_word_tokenizer
 
     write_word_tokenizer(paths["mlx"], spec.vocab_size)
+    with open(os.path.join(workdir, name, "paths.json"), "w", encoding="utf-8") as f:
+        json.dump(paths, f)
     return paths
 
 
@@ -278,8 +280,35 @@ def vm_hwm_kib(pid: "int | str" = "self") -> int:
         return 0
 
 
+def stage_worker(spec: dict) -> int:
+    """The fast path's stage profile (``bench_fast.StageProfile``) of one generate on the benchmark's model."""
+    from threadpoolctl import threadpool_limits
+
+    sys.path.insert(0, HERE)
+    from bench_fast import StageProfile
+    from diffusiongemma import fast
+    import numpy as np
+
+    threadpool_limits(spec["threads"])
+    model = fast.Model.from_pretrained(spec["model"], device="cpu")
+    prompt = np.asarray([spec["ids"]], dtype=np.int64)
+
+    def run():
+        fast.generate(model, prompt, random=0, max_new_tokens=spec["canvas"], max_denoising_steps=spec["steps"],
+                      stability_threshold=None, eos_token_id=())
+    run()
+    with StageProfile(model) as profile:
+        start = time.perf_counter()
+        run()
+        total = time.perf_counter() - start
+    print(RESULT_TAG + json.dumps({"total_s": total, "lines": list(profile.lines(total))}), flush=True)
+    return 0
+
+
 def worker(args) -> int:
     spec = json.loads(args.worker_spec)
+    if args.worker == "fast-stages":
+        return stage_worker(spec)
     load_s, run = _worker_generate(args.worker, spec["model"], spec["ids"], spec["canvas"], spec["steps"],
                                    spec["threads"])
     start = time.perf_counter()
@@ -442,11 +471,18 @@ def main(argv=None) -> int:
     p.add_argument("--plot", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-spec", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--stages", action="store_true",
+                   help="after the table, the fast path's stage profile (bench_fast.StageProfile) on each model")
+    p.add_argument("--stages-only", default=None, metavar="WORKDIR",
+                   help="only the stage profile, on the models an earlier run left in WORKDIR")
     p.add_argument("--from-json", default=None, metavar="RUN.json",
                    help="print the table (and --plot) of an earlier run's --json instead of running")
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.stages_only:
+        stage_profiles(args, args.stages_only, {})
+        return 0
     if args.from_json:
         with open(args.from_json, encoding="utf-8") as f:
             saved = json.load(f)
@@ -501,6 +537,8 @@ def main(argv=None) -> int:
                     print(json.dumps(shown), flush=True)
             print(f"[{name}] threads {threads}: load {before} -> {load()}", flush=True)
     facts["load_end"] = load()
+    if args.stages:
+        stage_profiles(args, workdir, facts)
     table = summarize(results)
     print(format_table(table), flush=True)
     if args.json:
@@ -509,6 +547,24 @@ def main(argv=None) -> int:
     if args.plot:
         plot(table, args.plot, facts)
     return 0
+
+
+def stage_profiles(args, workdir: str, facts: dict) -> None:
+    """Print (and keep in ``facts``) the fast path's stage profile on each configuration's model."""
+    for name in args.configs:
+        paths = json.load(open(os.path.join(workdir, name, "paths.json"), encoding="utf-8"))
+        spec = {"model": paths["hf"], "ids": paths["prompt_ids"], "canvas": paths["canvas"],
+                "steps": paths["steps"], "threads": 1}
+        text, rc, _ = run_process([sys.executable, os.path.abspath(__file__), "--worker", "fast-stages",
+                                   "--worker-spec", json.dumps(spec)], thread_env(1), 1, args.timeout)
+        line = next((l for l in text.splitlines() if l.startswith(RESULT_TAG)), None)
+        if line is None:
+            print(f"[{name}] stage profile failed:\n" + "\n".join(text.splitlines()[-5:]), flush=True)
+            continue
+        prof = json.loads(line[len(RESULT_TAG):])
+        facts.setdefault("stages", {})[name] = prof
+        print(f"\n[{name}] fast path, stages of one generate at 1 thread ({prof['total_s']:.3f} s, load {load()}):")
+        print("\n".join(prof["lines"]), flush=True)
 
 
 def summarize(results: list[dict]) -> list[dict]:
@@ -565,7 +621,7 @@ def plot(table: list[dict], path: str, facts: dict) -> None:
     groups = sorted({(r["config"], r["threads"]) for r in table if "seconds" in r},
                     key=lambda g: (["small", "medium", "real"].index(g[0]), g[1]))
     impls = [i for i in ["fast", "reference", "transformers", "llama.cpp", "llama.cpp Q8_0", "jax", "mlx-vlm"]
-             if any(r["impl"] == i for r in table)]
+             if any(r["impl"] == i and "seconds" in r for r in table)]  # a peer that failed everywhere: left out
     fig, axes = plt.subplots(1, len(groups), figsize=(2.6 * len(groups) + 1, 3.2), squeeze=False)
     for ax, (config, threads) in zip(axes[0], groups):
         vals = [next((r["passes_per_s"] for r in table if (r["config"], r["threads"], r["impl"]) ==
