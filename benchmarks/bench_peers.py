@@ -3,7 +3,12 @@
     python benchmarks/bench_peers.py [--configs small medium] [--threads 1 2] [--rounds 3] [--repeats 1]
         [--llama-bin PATH/llama-diffusion-cli] [--jax-python PATH/python --gemma-src DIR]
         [--mlx-path DIR] [--peers fast reference transformers llama.cpp jax mlx-vlm]
-        [--json OUT.json] [--plot OUT.png] [--q8]
+        [--json OUT.json] [--plot OUT.png] [--q8] [--stages]
+    python benchmarks/bench_peers.py --from-json OUT.json [--plot OUT.png]   # the table of an earlier run
+    python benchmarks/bench_peers.py --stages-only WORKDIR [--configs ...]   # the fast path's stage profile
+
+``--configs real`` adds a model with the released model's ratios (128 experts top 8, head sizes 256 / 512),
+scaled down (hidden 704, 4 layers, vocabulary 32768).
 
 One random model per configuration (``diffusiongemma.tiny``, seed 0) is written once as a transformers
 directory (with a byte-level BPE tokenizer, so that llama.cpp can read it) and converted for each peer:
