@@ -52,6 +52,8 @@ class DrawSource:
     Every method returns a new (B, C) int64 array.
     """
 
+    takes_logits = False  # True: ``categorical(probs, logits=)`` wants the processed logits too (JAX's Gumbel-max)
+
     def canvas_ids(self, batch_size: int, canvas_length: int, vocab_size: int) -> np.ndarray:
         """The initial canvas of a block: (B, C) ids, uniform over [0, V)."""
         raise NotImplementedError

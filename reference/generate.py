@@ -30,7 +30,6 @@ nothing (progress is drawn by the command line from the callback).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Protocol
@@ -152,7 +151,7 @@ class ReferenceBackend(HostAcceptance):
                  context: Callable[[], Any] = contextlib.nullcontext):
         self.denoise, self.draws, self.V, self.B, self.observer = denoise, draws, int(vocab_size), int(batch_size), observer
         self.propose, self.sc_input = semantics.denoiser_draw, semantics.sc_temperature
-        self.scale = getattr(semantics.temperature, "scale", scale_logits)  # how T_n meets the logits (c)
+        self.scale = semantics.temperature.scale  # how T_n meets the logits (c)
         self.acceptor = semantics.sampler.start(max_steps, semantics.threshold)
         self._context = context  # what the run executes in (a GPU model's device context for a host denoiser)
         self.cache: Any = None
@@ -203,12 +202,10 @@ def make_backend(model: Any, draws: DrawSource, batch_size: int, denoiser: Denoi
     if denoiser is not None:
         denoise = denoiser
     elif getattr(type(model), "DENOISE_REPORTS", False):
-        embedding = getattr(semantics.sc_temperature, "embedding", None)  # a peer's rounding of the SC embedding
-        takes = "sc_embedding" in inspect.signature(model.denoise).parameters  # the reference Model's does
-        extra = {"sc_embedding": embedding} if embedding is not None and takes else {}
-
-        def denoise(canvas, cache, sc_logits, _denoise=model.denoise, _window=semantics.canvas_window):
-            return _denoise(canvas, cache, sc_logits, observer=observer, canvas_window=_window.keys, **extra)
+        def denoise(canvas, cache, sc_logits, _denoise=model.denoise, _window=semantics.canvas_window,
+                    _embedding=semantics.sc_temperature.embedding):
+            return _denoise(canvas, cache, sc_logits, observer=observer, canvas_window=_window.keys,
+                            sc_embedding=_embedding)
     elif semantics.canvas_window == TRANSFORMERS.canvas_window:
         denoise = model.denoise
     else:

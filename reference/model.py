@@ -37,7 +37,8 @@ ATTENTION_SCORE_BYTES = 32 * 2 ** 20  # the encoder attends in query blocks whos
 class Model:
     """DiffusionGemma text model with NumPy weights.
 
-    ``DENOISE_REPORTS``: ``denoise`` takes ``observer=`` (the layer outputs a trace records) and
+    ``DENOISE_REPORTS``: ``denoise`` takes ``observer=`` (the layer outputs a trace records), ``sc_embedding=``
+    (a peer's rounding of the self-conditioning embedding) and
     ``canvas_window=`` (a peer's window stage); the generation loop passes both.
 
     Build it with ``Model.from_pretrained(path)`` or ``Model(config, tensors)`` where ``tensors`` maps the

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 
 from .masks import canvas_window
-from .sampling import StableAndConfident, entropy_bound_accept, finalize_canvas, renoise, temperature
+from .sampling import StableAndConfident, entropy_bound_accept, finalize_canvas, renoise, scale_logits, temperature
 from .support.errors import ConfigError
 
 __all__ = ["Semantics", "TRANSFORMERS", "SEMANTICS", "register_semantics", "get_semantics"]
@@ -43,6 +43,10 @@ class Float32Schedule:
     def __call__(self, step: int, max_steps: int, t_min: float, t_max: float) -> np.float32:
         return temperature(step, max_steps, t_min, t_max)
 
+    def scale(self, logits: np.ndarray, temp: np.float32 | None) -> np.ndarray:
+        """How T_n meets the logits (SPEC §8.2 c): a division (``sampling.scale_logits``)."""
+        return scale_logits(logits, temp)
+
 
 @dataclass(frozen=True)
 class DivideSC:
@@ -50,6 +54,7 @@ class DivideSC:
 
     name: ClassVar[str] = "divide"
     source: ClassVar[str] = "transformers, JAX, mlx-vlm, diffusers EntropyBound: SC input is z / T"
+    embedding: ClassVar[Any] = None  # a rounding of the soft embedding made of the input (None: as computed)
 
     def __call__(self, raw: np.ndarray, processed: np.ndarray, temp: np.float32 | None) -> np.ndarray:
         return processed
@@ -64,7 +69,7 @@ class CategoricalDraw:
     source: ClassVar[str] = "transformers torch.multinomial; JAX, llama.cpp, diffusers EntropyBound"
 
     def __call__(self, draws: Any, probs: np.ndarray, draft: np.ndarray, logits: np.ndarray | None = None) -> np.ndarray:
-        if logits is not None and getattr(draws, "takes_logits", False):  # e.g. JAX's Gumbel-max (JaxDraws)
+        if logits is not None and draws.takes_logits:  # e.g. JAX's Gumbel-max (JaxDraws)
             return draws.categorical(probs, logits=logits)
         return draws.categorical(probs)
 

@@ -270,7 +270,7 @@ class _Scripted:
 
     DENOISE_REPORTS = True  # denoise takes the run's observer and window stage (both unused here)
 
-    def denoise(self, canvas, cache, sc_logits=None, *, observer=None, canvas_window=None):
+    def denoise(self, canvas, cache, sc_logits=None, *, observer=None, canvas_window=None, sc_embedding=None):
         self.calls += 1
         return self.script(self.calls - 1, canvas)
 

@@ -266,15 +266,33 @@ def check_model_cache(cache: Any, cache_type: type) -> Any:
     return cache
 
 
+class _DuckDraws(DrawSource):
+    """Any object with a draw source's three methods, as a ``DrawSource`` (so that it answers what the
+    contract declares beyond them: no uniforms to share, no logits wanted)."""
+
+    def __init__(self, source: Any):
+        self.source = source
+
+    def canvas_ids(self, batch_size: int, canvas_length: int, vocab_size: int) -> np.ndarray:
+        return self.source.canvas_ids(batch_size, canvas_length, vocab_size)
+
+    def categorical(self, probs: np.ndarray) -> np.ndarray:
+        return self.source.categorical(probs)
+
+    def renoise_ids(self, batch_size: int, canvas_length: int, vocab_size: int) -> np.ndarray:
+        return self.source.renoise_ids(batch_size, canvas_length, vocab_size)
+
+
 def as_draw_source(random: DrawSource | int | np.random.SeedSequence | None) -> DrawSource:
     """``generate``'s ``random`` argument as a source: None -> ``SeededDraws(0)``, an int or
     ``SeedSequence`` -> ``SeededDraws(seed)``, a ``DrawSource`` (or any object with its three methods) as
     is. Raises ``InputError`` otherwise."""
     if random is None:
         return SeededDraws(0)
-    if isinstance(random, DrawSource) or all(callable(getattr(random, name, None))
-                                             for name in ("canvas_ids", "categorical", "renoise_ids")):
+    if isinstance(random, DrawSource):
         return random
+    if all(callable(getattr(random, name, None)) for name in ("canvas_ids", "categorical", "renoise_ids")):
+        return _DuckDraws(random)
     if isinstance(random, (int, np.integer, np.random.SeedSequence)) and not isinstance(random, bool):
         if not isinstance(random, np.random.SeedSequence) and int(random) < 0:
             raise InputError(f"random: an integer seed must be >= 0, got {int(random)}")

@@ -13,7 +13,7 @@ from typing import ClassVar
 import ml_dtypes
 import numpy as np
 
-from ..sampling import temperature as spec_temperature
+from ..sampling import scale_logits, temperature as spec_temperature
 from ..stages import DivideSC, Float32Schedule
 from .jax_draws import jax_temperature
 
@@ -31,6 +31,9 @@ class DoubleSchedule:
     def __call__(self, step: int, max_steps: int, t_min: float, t_max: float) -> np.float32:
         spec_temperature(step, max_steps, t_min, t_max)  # the same range check
         return np.float32(t_min + (t_max - t_min) * (step / max_steps))
+
+    def scale(self, logits: np.ndarray, temp: np.float32 | None) -> np.ndarray:
+        return scale_logits(logits, temp)  # a division, as the spec
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class MultiplyInverseSC:
 
     name: ClassVar[str] = "multiply-inverse"
     source: ClassVar[str] = "llama.cpp: softmax(z * temp_inv) with temp_inv = 1 / T in float"
+    embedding: ClassVar[Any] = None  # the soft embedding as computed
 
     def __call__(self, raw: np.ndarray, processed: np.ndarray, temp: np.float32 | None) -> np.ndarray:
         if temp is None:
@@ -79,6 +83,7 @@ class RawSC:
 
     name: ClassVar[str] = "raw"
     source: ClassVar[str] = "diffusers BlockRefinementScheduler: pred_logits are the raw logits z"
+    embedding: ClassVar[Any] = None  # the soft embedding as computed
 
     def __call__(self, raw: np.ndarray, processed: np.ndarray, temp: np.float32 | None) -> np.ndarray:
         return np.array(raw, dtype=np.float32, copy=True)
@@ -136,6 +141,9 @@ class NoSchedule:
 
     def __call__(self, step: int, max_steps: int, t_min: float, t_max: float) -> None:
         return None
+
+    def scale(self, logits: np.ndarray, temp: np.float32 | None) -> np.ndarray:
+        return scale_logits(logits, temp)  # a division, as the spec
 
 
 NO_SCHEDULE = NoSchedule()
