@@ -107,7 +107,8 @@ def _code_lines(tree: ast.AST, text: str) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, ast.stmt):
             lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
-    return {n for n in lines if text.splitlines()[n - 1].strip() and not text.splitlines()[n - 1].strip().startswith("#")}
+    source = text.splitlines()
+    return {n for n in lines if source[n - 1].strip() and not source[n - 1].strip().startswith("#")}
 
 
 def rail_lines(path: Path) -> set[int]:
