@@ -66,7 +66,7 @@ def _extensions():
         Extension(
             "diffusiongemma.fast." + os.path.splitext(os.path.basename(path))[0],
             [path],
-            include_dirs=[numpy.get_include()],
+            include_dirs=[numpy.get_include(), "fast"],  # fast/panel_gemm.h
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
@@ -138,7 +138,7 @@ setup(
     package_dir=PACKAGE_DIRS,
     packages=list(PACKAGE_DIRS),
     package_data={
-        "diffusiongemma.fast": ["*.pyx", "*.pxd"],
+        "diffusiongemma.fast": ["*.pyx", "*.pxd", "*.h"],
         "diffusiongemma.fast.gpu": ["cuda/*.cu", "cuda/*.cuh", "sim/*.h", "sim/*.cpp", "sim/*.py"],
         "diffusiongemma": ["assets/*", "assets/*/*"],
     },

@@ -3,9 +3,11 @@
 
 Everything here operates on float32 C-contiguous arrays (the last axis at least) and writes into
 caller-provided outputs, so that a denoising step allocates nothing. Large matrix products are *not*
-here: they stay on NumPy's BLAS (``numpy.matmul(..., out=...)``); these kernels cover what surrounds
+computed here: they run on NumPy's OpenBLAS, tile by tile (``gemm``); these kernels cover what surrounds
 them: fused normalisations, rotary embedding, gated GELU, the masked attention softmax, the expert
-dispatch bookkeeping and the per-step sampling pass.
+dispatch bookkeeping and the per-step sampling pass. The one product of our own is the routed experts'
+(``expert_ffn`` on weights packed as panels, ``fast/panel_gemm.h``): few rows per expert, where a BLAS
+spends its time packing the weights.
 
 Numerics. Each kernel computes the same float32 formula as the reference function named in its
 docstring, with two kinds of deviation, both at float32 rounding level:
@@ -26,7 +28,7 @@ and no reduction crosses rows).
 
 cimport cython
 from cython.parallel import prange, threadid
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int8_t, int64_t, uint8_t
 from libc.math cimport INFINITY, log
 
 import numpy as np
@@ -572,7 +574,7 @@ def set_blas_threads(int n) -> int:
 
 
 def has_gemm() -> bool:
-    """Whether ``gemm`` and ``expert_ffn`` can run (a BLAS is installed and OpenMP is available)."""
+    """Whether ``gemm`` can run (a BLAS is installed and OpenMP is available)."""
     return (_sgemm != NULL and _blas_set_threads != NULL and _blas_get_threads != NULL
             and _openmp_compiled())
 
@@ -645,26 +647,128 @@ def gemm(const float[:, ::1] a, const float[:, ::1] b, bint trans_b, float[:, ::
         _blas_serial_end(previous)
 
 
+cdef extern from "panel_gemm.h":
+    ctypedef void (*dg_panel_fn)(int64_t m, const float *x, int64_t ldx, const float *w, int64_t kc, float *c,
+                                 int64_t ldc, int64_t nc, int acc) noexcept nogil
+    int DG_NR
+    int DG_KC
+    int dg_panel_get_isa() noexcept nogil
+    int dg_panel_set_isa(int isa) noexcept nogil
+    dg_panel_fn dg_panel_kernel() noexcept nogil
+    void dg_panel_matmul_f32(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *panels,
+                             int64_t N, int64_t K, float *c, int64_t ldc) noexcept nogil
+    void dg_panel_matmul_q8_0(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const int8_t *qpanels,
+                              const float *scales, int64_t N, int64_t K, float *c, int64_t ldc) noexcept nogil
+
+#: Output columns of one weight panel (``fast.experts``: weights packed as (..., ceil(N/PANEL), K, PANEL)).
+PANEL = DG_NR
+#: Values of k one tile call covers (the Q8_0 path widens that many at a time).
+PANEL_CHUNK = DG_KC
+PANEL_ISAS = ("portable", "avx2", "avx512")
+
+
+def panel_isa() -> str:
+    """The instruction set the panel products run on: "avx512", "avx2" (with FMA) or "portable" (C fmaf)."""
+    return PANEL_ISAS[dg_panel_get_isa()]
+
+
+def set_panel_isa(str name) -> str:
+    """Run the panel products on ``name`` (one of ``PANEL_ISAS``) or the best below it that this CPU runs;
+    returns the one in use. All of them give the same bits (``fast/panel_gemm.h``); for tests and benchmarks."""
+    if name not in PANEL_ISAS:
+        raise ValueError(f"set_panel_isa: {name!r} is not one of {PANEL_ISAS}")
+    return PANEL_ISAS[dg_panel_set_isa(PANEL_ISAS.index(name))]
+
+
+cdef inline int _check_panels(str what, Py_ssize_t stacked_n, Py_ssize_t stacked_k, Py_ssize_t panels,
+                              Py_ssize_t K, Py_ssize_t width, Py_ssize_t N) except -1:
+    if width != DG_NR or panels != (N + DG_NR - 1) // DG_NR or K != stacked_k or stacked_n != N:
+        raise ValueError(f"{what}: panels of shape ({panels}, {K}, {width}) do not hold a ({N}, {stacked_k}) "
+                         f"matrix (expected ({(N + DG_NR - 1) // DG_NR}, {stacked_k}, {DG_NR}))")
+    return 0
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, const float[:, :, ::1] w_gate_up,
-               const float[:, :, ::1] w_down, float[:, ::1] gate_up, float[:, ::1] act, float[:, ::1] y):
-    """Every expert's gated MLP on its block of grouped rows, experts in parallel (dynamic schedule).
+def panel_matmul(const float[:, ::1] x, panels, Py_ssize_t N, float[:, ::1] out, scales=None):
+    """``out = x @ W.T`` for W (N, K) packed as panels (``fast.experts.pack_panels``), on the calling thread.
 
-    x: (R, H) rows grouped by expert (``group_by_expert``): expert e owns rows [offsets[e], offsets[e+1]).
-    w_gate_up: (E, 2I, H) with the gate rows first; w_down: (E, H, I). Work buffers gate_up (R, 2I) and
-    act (R, I); y: (R, H) receives ``(gelu_tanh(x G_e^T) * (x U_e^T)) D_e^T`` row by row. Each expert is one
-    task (two single-threaded BLAS calls around the fused activation), so the result does not depend on the
-    thread count. Replaces the per-expert loop of ``reference.layers.experts`` (before the weighted sum).
-    Raises ValueError for inconsistent shapes or offsets that are not ascending within [0, R].
+    x: (m, K) float32; out: (m, N). ``panels``: float32 (ceil(N/32), K, 32), or int8 Q8_0 values of that
+    shape with ``scales`` float32 (ceil(N/32), K/32, 32). Each output is the fused multiply-add chain over
+    k in order (``fast/panel_gemm.h``): the same bits on every instruction set, and for Q8_0 the same bits as
+    the float32 panels of the dequantized matrix. Raises ValueError for mismatched shapes.
     """
-    if not has_gemm():
-        raise RuntimeError("expert_ffn: no BLAS installed (fast.blas.install) or no OpenMP")
-    cdef Py_ssize_t R = x.shape[0], H = x.shape[1], E = w_gate_up.shape[0], I = w_down.shape[2], e
-    if (offsets.shape[0] != E + 1 or w_gate_up.shape[1] != 2 * I or w_gate_up.shape[2] != H
-            or w_down.shape[0] != E or w_down.shape[1] != H):
-        raise ValueError(f"expert_ffn: weights must be ({E}, {2 * I}, {H}) and ({E}, {H}, {I}), "
-                         f"offsets {E + 1} entries")
+    cdef Py_ssize_t m = x.shape[0], K = x.shape[1]
+    if out.shape[0] != m or out.shape[1] != N:
+        raise ValueError(f"panel_matmul: out is ({out.shape[0]}, {out.shape[1]}), expected ({m}, {N})")
+    cdef const float[:, :, ::1] pf
+    cdef const int8_t[:, :, ::1] pq
+    cdef const float[:, :, ::1] sq
+    cdef dg_panel_fn tile = dg_panel_kernel()
+    if scales is None:
+        pf = panels
+        _check_panels("panel_matmul", N, K, pf.shape[0], pf.shape[1], pf.shape[2], N)
+        if m and N:
+            with nogil:
+                dg_panel_matmul_f32(tile, &x[0, 0] if K else <const float *>NULL, K, m,
+                                    &pf[0, 0, 0] if K else <const float *>NULL, N, K, &out[0, 0], N)
+        return
+    pq, sq = panels, scales
+    _check_panels("panel_matmul", N, K, pq.shape[0], pq.shape[1], pq.shape[2], N)
+    if K % 32 or sq.shape[0] != pq.shape[0] or sq.shape[1] != K // 32 or sq.shape[2] != DG_NR:
+        raise ValueError(f"panel_matmul: Q8_0 needs K a multiple of 32 and scales ({pq.shape[0]}, {K // 32}, "
+                         f"{DG_NR}); got K = {K}, scales ({sq.shape[0]}, {sq.shape[1]}, {sq.shape[2]})")
+    if m and N:
+        with nogil:
+            dg_panel_matmul_q8_0(tile, &x[0, 0] if K else <const float *>NULL, K, m,
+                                 &pq[0, 0, 0] if K else <const int8_t *>NULL,
+                                 &sq[0, 0, 0] if K else <const float *>NULL, N, K, &out[0, 0], N)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels, down_panels,
+                      Py_ssize_t I, float[:, ::1] gate_up, float[:, ::1] act, float[:, ::1] y,
+                      gate_up_scales=None, down_scales=None):
+    """Every expert's gated MLP on its block of rows, on packed weights, experts in parallel.
+
+    x: (R, H) rows grouped by expert (expert e owns [offsets[e], offsets[e+1])). Weights as panels
+    (``fast.experts``): gate_up_panels (E, ceil(2I/32), H, 32) of [G_e; U_e] (gate rows first),
+    down_panels (E, ceil(H/32), I, 32); float32, or int8 Q8_0 values with the two ``*_scales`` (E, P, K/32,
+    32) float32. Buffers gate_up (R, 2I), act (R, I); y (R, H) gets ``(gelu_tanh(x G^T) * (x U^T)) D^T``.
+    No BLAS involved: one task per expert (dynamic schedule), each output computed by one thread in a fixed
+    order, so the result does not depend on the thread count. Raises ValueError for inconsistent shapes
+    or offsets that are not ascending within [0, R].
+    """
+    cdef Py_ssize_t R = x.shape[0], H = x.shape[1], e, r, n, a0, E
+    cdef bint q8 = gate_up_scales is not None
+    if q8 != (down_scales is not None):
+        raise ValueError("expert_ffn: give both scales (Q8_0) or neither (float32)")
+    cdef const float[:, :, :, ::1] gf, df, gs, ds
+    cdef const int8_t[:, :, :, ::1] gq, dq
+    cdef const float *gfp = NULL
+    cdef const float *dfp = NULL
+    cdef const float *gsp = NULL
+    cdef const float *dsp = NULL
+    cdef const int8_t *gqp = NULL
+    cdef const int8_t *dqp = NULL
+    if q8:
+        gq, dq, gs, ds = gate_up_panels, down_panels, gate_up_scales, down_scales
+        shape_g, shape_d = tuple(gate_up_panels.shape), tuple(down_panels.shape)
+        if (H % 32 or I % 32 or tuple(gate_up_scales.shape) != (shape_g[0], shape_g[1], H // 32, DG_NR)
+                or tuple(down_scales.shape) != (shape_d[0], shape_d[1], I // 32, DG_NR)):
+            raise ValueError(f"expert_ffn: Q8_0 needs H ({H}) and I ({I}) multiples of 32 and scales "
+                             f"({shape_g[0]}, {shape_g[1]}, {H // 32}, {DG_NR}) / ({shape_d[0]}, {shape_d[1]}, "
+                             f"{I // 32}, {DG_NR}); got {tuple(gate_up_scales.shape)} / {tuple(down_scales.shape)}")
+    else:
+        gf, df = gate_up_panels, down_panels
+        shape_g, shape_d = tuple(gate_up_panels.shape), tuple(down_panels.shape)
+    E = shape_g[0]
+    if shape_d[0] != E or offsets.shape[0] != E + 1:
+        raise ValueError(f"expert_ffn: {E} experts in gate_up, {shape_d[0]} in down, "
+                         f"{offsets.shape[0]} offsets (expected {E + 1})")
+    _check_panels("expert_ffn (gate_up)", 2 * I, H, shape_g[1], shape_g[2], shape_g[3], 2 * I)
+    _check_panels("expert_ffn (down)", H, I, shape_d[1], shape_d[2], shape_d[3], H)
     if (gate_up.shape[0] < R or gate_up.shape[1] != 2 * I or act.shape[0] < R or act.shape[1] != I
             or y.shape[0] < R or y.shape[1] != H):
         raise ValueError(f"expert_ffn: buffers must be ({R}, {2 * I}), ({R}, {I}) and ({R}, {H})")
@@ -673,24 +777,34 @@ def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, const float[:,
     for e in range(E):  # validated before any product: a bad offset would read or write out of bounds
         if offsets[e + 1] < offsets[e]:
             raise ValueError(f"expert_ffn: offsets decrease at expert {e}")
-    if R == 0 or H == 0 or I == 0:
+    if R == 0 or H == 0 or I == 0 or E == 0:
         return
-    cdef Py_ssize_t r, n, a0
+    if q8:
+        gqp, dqp, gsp, dsp = &gq[0, 0, 0, 0], &dq[0, 0, 0, 0], &gs[0, 0, 0, 0], &ds[0, 0, 0, 0]
+    else:
+        gfp, dfp = &gf[0, 0, 0, 0], &df[0, 0, 0, 0]
+    cdef int64_t Pg = shape_g[1], Pd = shape_d[1]
+    cdef int64_t gu_size = Pg * H * DG_NR, down_size = Pd * I * DG_NR
+    cdef int64_t gu_scale_size = Pg * (H // 32) * DG_NR, down_scale_size = Pd * (I // 32) * DG_NR
+    cdef dg_panel_fn tile = dg_panel_kernel()
     cdef int nt = _threads(E, <double>offsets[E] / E * H * 3 * I / 16.0)
-    cdef int previous
     with nogil:
-        previous = _blas_serial_begin()
         for e in prange(E, schedule="dynamic", num_threads=nt):
             a0 = offsets[e]
             n = offsets[e + 1] - a0
             if n > 0:
-                _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, n, 2 * I, H, 1.0, &x[a0, 0], H, &w_gate_up[e, 0, 0], H,
-                       0.0, &gate_up[a0, 0], 2 * I)
+                if q8:
+                    dg_panel_matmul_q8_0(tile, &x[a0, 0], H, n, gqp + e * gu_size, gsp + e * gu_scale_size,
+                                         2 * I, H, &gate_up[a0, 0], 2 * I)
+                else:
+                    dg_panel_matmul_f32(tile, &x[a0, 0], H, n, gfp + e * gu_size, 2 * I, H, &gate_up[a0, 0], 2 * I)
                 for r in range(a0, a0 + n):
                     dg_gelu_gate_row(&gate_up[r, 0], &gate_up[r, I], I, &act[r, 0])
-                _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, n, H, I, 1.0, &act[a0, 0], I, &w_down[e, 0, 0], I,
-                       0.0, &y[a0, 0], H)
-        _blas_serial_end(previous)
+                if q8:
+                    dg_panel_matmul_q8_0(tile, &act[a0, 0], I, n, dqp + e * down_size, dsp + e * down_scale_size,
+                                         H, I, &y[a0, 0], H)
+                else:
+                    dg_panel_matmul_f32(tile, &act[a0, 0], I, n, dfp + e * down_size, H, I, &y[a0, 0], H)
 
 
 # ============================================================================================ elementwise

@@ -7,8 +7,7 @@ cores from the threads doing the work (a step of the small model became several 
 thread with a single busy process on a two-core machine). ``CpuArrays.matmul`` therefore runs each 2-D
 float32 product as ``_kernels.gemm``: tiles of the output, fixed by the shapes alone, taken by the
 kernels' OpenMP threads as they come (a descheduled thread delays only its tile), each tile one call of
-the same OpenBLAS with one thread. The routed experts likewise run as one parallel loop over experts
-(``_kernels.expert_ffn``).
+the same OpenBLAS with one thread. (The routed experts do not use BLAS: ``fast.experts``.)
 
 ``install`` finds the library NumPy loaded (through ``threadpoolctl``) and hands the addresses of its
 64-bit-integer CBLAS ``sgemm`` and thread-count functions to the kernels. Where that is not possible (NumPy

@@ -14,7 +14,8 @@ summation order (see ``fast/_kernels.pyx`` for where the numbers can differ, and
   views, never repeating keys or values;
 * the KV cache (``fast.cache.KVCache``) is preallocated; sliding layers are rings of ``W - 1`` slots;
 * experts run once per expert on the gathered block of tokens routed to it (tokens sorted by expert),
-  all experts of a layer in one parallel loop (``_kernels.expert_ffn``);
+  all experts of a layer in one parallel loop, on weights packed once into panels and a register-tiled
+  kernel of our own instead of BLAS (``fast.experts``); Q8_0 experts of a GGUF file stay quantized;
 * ``denoise`` can write into a caller's ``out`` array and computes the self-conditioning softmax in that
   same array before the logits overwrite it, so a denoising step allocates nothing proportional to the
   vocabulary or to the cache once the workspace has warmed up.
@@ -50,6 +51,7 @@ from .attention import attend
 from .backend import CpuBackend
 from .blas import CPU_ARRAYS
 from .cache import KVCache
+from .experts import ExpertPanels
 from .weights import LayerWeights, pack
 
 DEVICES = ("cpu",)  # devices this module can run on ("cuda" lives elsewhere)
@@ -115,7 +117,8 @@ class Model:
     """DiffusionGemma text model on the fast CPU kernels.
 
     Build it with ``Model.from_pretrained(path, device="cpu")`` or ``Model(config, tensors)`` where
-    ``tensors`` maps the project's tensor names (``reference.weights``) to arrays (widened to float32).
+    ``tensors`` maps the project's tensor names (``reference.weights``) to arrays (widened to float32),
+    or, for the experts' two tensors of a layer, to ``Q8_0Tensor`` (kept quantized, ``fast.experts``).
     Raises ``CheckpointError`` for missing/unknown/misshapen tensors and ``ConfigError`` for an
     unsupported device.
     """
@@ -126,7 +129,7 @@ class Model:
         self.config = config
         self.xp = CPU_ARRAYS  # NumPy with the products on the kernels' tiled BLAS calls (fast.blas)
         self.ops = _kernels
-        packed = pack(config, tensors)
+        packed = pack(config, tensors, experts=ExpertPanels.from_weights)
         self.embed_tokens, self.final_norm = packed.embed_tokens, packed.final_norm  # (V, H), (H,)
         self.sc_pre_norm, self.sc_gate_up, self.sc_down = packed.sc_pre_norm, packed.sc_gate_up, packed.sc_down
         self.layers = packed.layers
@@ -141,15 +144,27 @@ class Model:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, device: str = "cpu") -> "Model":
-        """Load a converted checkpoint directory or a transformers checkpoint directory.
+    def from_pretrained(cls, path: str | os.PathLike, device: str = "cpu", keep_quantized: bool = True) -> "Model":
+        """Load a converted checkpoint directory, a transformers checkpoint directory or a GGUF file.
 
         Reading is the reference's (``reference.weights.load_checkpoint``: same formats, same
         ``CheckpointError`` / ``ConfigError``); ``device`` must be "cpu" (``ConfigError`` otherwise,
-        raised before anything is read).
+        raised before anything is read). ``keep_quantized``: a GGUF file's Q8_0 experts stay Q8_0 in
+        memory (the result is the float32 path's on the dequantized weights, bit for bit; every other
+        Q8_0 tensor is widened to float32); False widens everything at load, as the reference does.
         """
         check_device(device)
-        return cls(*load_checkpoint(path), device=device)
+        return cls(*load_checkpoint(path, keep_quantized=keep_quantized), device=device)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of weights this model holds (its packed layout, quantized experts at their own size)."""
+        arrays = [self.embed_tokens, self.final_norm, self.sc_pre_norm, self.sc_gate_up, self.sc_down]
+        total = sum(int(a.nbytes) for a in arrays)
+        for w in self.layers:
+            total += sum(int(v.nbytes) for v in vars(w).values() if isinstance(v, np.ndarray))
+            total += w.experts.nbytes if w.experts is not None else 0
+        return total
 
     def new_cache(self, batch_size: int, capacity: int = 0) -> KVCache:
         """An empty fast KV cache for ``batch_size`` rows; ``capacity`` pre-sizes it (positions).
@@ -449,20 +464,11 @@ class Model:
         ops.group_by_expert(indices, offsets, order, position)
         grouped = ws.get("expert_x", (M * K, H))
         ops.gather_rows(x, order, grouped)
-        I2 = w.expert_gate_up.shape[1]
-        gate_up = ws.get("expert_gate_up", (M * K, I2))
-        act = ws.get("expert_act", (M * K, I2 // 2))
+        I = config.moe_intermediate_size  # noqa: E741
+        gate_up = ws.get("expert_gate_up", (M * K, 2 * I))
+        act = ws.get("expert_act", (M * K, I))
         y = ws.get("expert_y", (M * K, H))
-        if getattr(xp, "tiled", False):  # every expert in one parallel loop (fast.blas)
-            ops.expert_ffn(grouped, offsets, w.expert_gate_up, w.expert_down, gate_up, act, y)
-        else:
-            bounds = offsets.tolist()
-            hit = [(e, bounds[e], bounds[e + 1]) for e in range(E) if bounds[e + 1] > bounds[e]]
-            for e, a, b in hit:
-                xp.matmul(grouped[a:b], w.expert_gate_up[e].T, out=gate_up[a:b])
-            ops.gelu_gate(gate_up, act)
-            for e, a, b in hit:
-                xp.matmul(act[a:b], w.expert_down[e].T, out=y[a:b])
+        w.experts(grouped, offsets, gate_up, act, y)  # every expert in one parallel loop (fast.experts)
         moe = ws.get("moe", (M, H))
         ops.combine_experts(y, indices, position, weights, moe)
         return moe

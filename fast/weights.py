@@ -2,8 +2,9 @@
 
 Both fast paths read a layer's attention projections as one fused matrix and the dense MLP's gate and up
 projections as one, so that a block makes one product where the reference makes two or three. ``pack``
-builds that layout from the project's tensor names (``reference.weights``), widening to float32, and hands
-every array to ``upload`` (identity on the CPU; a copy to the device on the GPU).
+builds that layout from the project's tensor names (``reference.weights``), widening to float32 (a
+``Q8_0Tensor`` too), and hands every array to ``upload`` (identity on the CPU; a copy to the device on the
+GPU). The CPU passes ``experts`` to keep the routed experts in its own panel layout (``fast.experts``).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from diffusiongemma.reference.config import ModelConfig
+from diffusiongemma.reference.support.quantized import widen
 
 __all__ = ["LayerWeights", "PackedWeights", "pack", "host_float32"]
 
 
 def host_float32(array: np.ndarray) -> np.ndarray:
-    """A C-contiguous float32 copy (or view) of ``array`` on the host."""
-    return np.ascontiguousarray(array, dtype=np.float32)
+    """A C-contiguous float32 copy (or view) of ``array`` on the host (a ``Q8_0Tensor`` dequantized)."""
+    return np.ascontiguousarray(widen(array), dtype=np.float32)
 
 
 @dataclass
@@ -44,12 +46,13 @@ class LayerWeights:
     router_scale: Any  # (H,)
     per_expert_scale: Any  # (E,)
     pre_ffn_norm_2: Any  # (H,) expert input norm
-    expert_gate_up: Any  # (E, 2*I_e, H), gate rows first
-    expert_down: Any  # (E, H, I_e)
+    expert_gate_up: Any  # (E, 2*I_e, H), gate rows first (None when ``experts`` holds them)
+    expert_down: Any  # (E, H, I_e) (None when ``experts`` holds them)
     post_ffn_norm_2: Any  # (H,) expert output norm
     post_ffn_norm: Any  # (H,)
     encoder_scalar: np.float32  # layer scalar of the encoder stack
     decoder_scalar: np.float32  # layer scalar of the decoder stack
+    experts: Any = None  # the experts in a backend's own layout (CPU: fast.experts.ExpertPanels), or None
 
 
 @dataclass
@@ -65,12 +68,15 @@ class PackedWeights:
 
 
 def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
-         upload: Callable[[np.ndarray], Any] = lambda array: array) -> PackedWeights:
+         upload: Callable[[np.ndarray], Any] = lambda array: array,
+         experts: Callable[[Any, Any], Any] | None = None) -> PackedWeights:
     """Repack checked ``tensors`` (``reference.weights.check_tensors``) into the fast layout.
 
     upload: called on every float32 host array; returns what the model keeps (a device array on a GPU).
+    experts: if given, ``experts(gate_up_proj, down_proj)`` of each layer (the checkpoint's tensors as they
+    are, float32 or ``Q8_0Tensor``) becomes ``LayerWeights.experts`` and the two expert fields are None.
     """
-    t = tensors
+    t = _Widened(tensors)  # float32 values, quantized tensors dequantized (t.raw: as given)
     put = lambda array: upload(host_float32(array))  # noqa: E731
 
     def layer(l: int) -> LayerWeights:
@@ -88,7 +94,9 @@ def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
             router=put(t[p + "router.proj"]), router_scale=put(t[p + "router.scale"]),
             per_expert_scale=put(t[p + "router.per_expert_scale"]),
             pre_ffn_norm_2=put(t[p + "pre_feedforward_layernorm_2"]),
-            expert_gate_up=put(t[p + "experts.gate_up_proj"]), expert_down=put(t[p + "experts.down_proj"]),
+            expert_gate_up=None if experts else put(t[p + "experts.gate_up_proj"]),
+            expert_down=None if experts else put(t[p + "experts.down_proj"]),
+            experts=experts(t.raw[p + "experts.gate_up_proj"], t.raw[p + "experts.down_proj"]) if experts else None,
             post_ffn_norm_2=put(t[p + "post_feedforward_layernorm_2"]),
             post_ffn_norm=put(t[p + "post_feedforward_layernorm"]),
             encoder_scalar=np.float32(np.asarray(t[p + "encoder_layer_scalar"]).reshape(-1)[0]),
@@ -102,3 +110,13 @@ def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
         sc_down=put(t["self_conditioning.down_proj"]),
         layers=[layer(l) for l in range(config.num_hidden_layers)],
     )
+
+
+class _Widened:
+    """``tensors[name]`` as float32 (``quantized.widen``); ``raw[name]`` as given."""
+
+    def __init__(self, tensors: Mapping[str, Any]):
+        self.raw = tensors
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return widen(self.raw[name])

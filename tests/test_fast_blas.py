@@ -1,7 +1,7 @@
-"""The fast path's tiled products (``fast.blas``, ``_kernels.gemm``, ``_kernels.expert_ffn``).
+"""The fast path's tiled products (``fast.blas``, ``_kernels.gemm``); the experts' panels: test_fast_experts.py.
 
 They must compute NumPy's products (up to the BLAS's summation order), give the same bits with one or two
-threads (tiles depend on the shapes only), refuse mismatched shapes and bad expert offsets before touching
+threads (tiles depend on the shapes only), refuse mismatched shapes before touching
 memory, and leave the BLAS library's thread count as they found it.
 """
 
@@ -46,11 +46,8 @@ def test_gemm_with_empty_inner_dimension_writes_zeros():
     np.testing.assert_array_equal(out, 0.0)
 
 
-def test_gemm_and_experts_give_the_same_bits_with_one_or_two_threads():
+def test_gemm_gives_the_same_bits_with_one_or_two_threads():
     a, w = f32(300, 96), f32(700, 96, seed=1)
-    E, I, H, R = 5, 24, 96, 120
-    x, wgu, wd = f32(R, H, seed=3), f32(E, 2 * I, H, seed=4), f32(E, H, I, seed=5)
-    offsets = np.array([0, 30, 30, 75, 100, R], np.int64)  # expert 1 gets no rows
     results = []
     previous = K.set_parallel_threshold(0.0)
     try:
@@ -58,42 +55,15 @@ def test_gemm_and_experts_give_the_same_bits_with_one_or_two_threads():
             with threadpool_limits(limits=threads):
                 out = np.empty((300, 700), np.float32)
                 K.gemm(a, w, True, out)
-                gu, act, y = np.empty((R, 2 * I), np.float32), np.empty((R, I), np.float32), np.empty((R, H), np.float32)
-                K.expert_ffn(x, offsets, wgu, wd, gu, act, y)
-                results.append((out, y))
+                results.append(out)
     finally:
         K.set_parallel_threshold(previous)
-    for one, two in zip(*results):
-        np.testing.assert_array_equal(one, two)
+    np.testing.assert_array_equal(results[0], results[1])
 
 
-def test_expert_ffn_matches_the_per_expert_loop():
-    E, I, H, R = 4, 16, 32, 50
-    x, wgu, wd = f32(R, H), f32(E, 2 * I, H, seed=1) * 0.3, f32(E, H, I, seed=2) * 0.3
-    offsets = np.array([0, 10, 10, 35, R], np.int64)
-    gu, act, y = np.empty((R, 2 * I), np.float32), np.empty((R, I), np.float32), np.empty((R, H), np.float32)
-    K.expert_ffn(x, offsets, wgu, wd, gu, act, y)
-    expected = np.empty_like(y)
-    for e in range(E):
-        a, b = offsets[e], offsets[e + 1]
-        g = x[a:b] @ wgu[e].T
-        gelu = 0.5 * g[:, :I] * (1 + np.tanh(0.7978845834732056 * (g[:, :I] + 0.044715 * g[:, :I] ** 3)))
-        expected[a:b] = (gelu * g[:, I:]) @ wd[e].T
-    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
-
-
-def test_bad_shapes_and_offsets_are_refused():
+def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="do not match"):
         K.gemm(f32(4, 5), f32(6, 4), True, np.empty((4, 6), np.float32))
-    E, I, H, R = 3, 4, 8, 10
-    x, wgu, wd = f32(R, H), f32(E, 2 * I, H), f32(E, H, I)
-    bufs = np.empty((R, 2 * I), np.float32), np.empty((R, I), np.float32), np.empty((R, H), np.float32)
-    for offsets, message in (([0, 6, 4, R], "decrease at expert 1"), ([0, 4, 6, R + 1], "end at most"),
-                             ([1, 4, 6, R], "start at 0")):
-        with pytest.raises(ValueError, match=message):
-            K.expert_ffn(x, np.array(offsets, np.int64), wgu, wd, *bufs)
-    with pytest.raises(ValueError, match="buffers"):
-        K.expert_ffn(x, np.array([0, 4, 6, R], np.int64), wgu, wd, bufs[0][:5], bufs[1], bufs[2])
 
 
 def numpy_blas_threads() -> int:

@@ -557,6 +557,23 @@ def test_fast_model_and_converter_read_gguf(tmp_path, hf, prompt):
     assert settings.eos_token_id == (1,) and settings.pad_token_id == 0
 
 
+def test_fast_model_keeps_q8_0_experts_quantized_with_the_widened_bits(tmp_path, hf, prompt):
+    """``fast.Model.from_pretrained(q8_0.gguf)`` keeps the experts as Q8_0 panels (3.56x fewer bytes than
+    float32: int8 values and a float32 scale per 32 of them, 1.125 bytes a weight) and computes, bit for bit, what it computes on the dequantized file (keep_quantized=False),
+    the float32 path that test_fast_equivalence.py bounds against the reference."""
+    from diffusiongemma import fast
+
+    path = write_gguf(tmp_path / "q8.gguf", hf, Q.Q8_0)
+    kept, widened = fast.Model.from_pretrained(path), fast.Model.from_pretrained(path, keep_quantized=False)
+    assert {w.experts.kind for w in kept.layers} == {"q8_0"}
+    assert {w.experts.kind for w in widened.layers} == {"float32"}
+    saved = sum(w.experts.nbytes for w in widened.layers) / sum(w.experts.nbytes for w in kept.layers)
+    assert abs(saved - 4 / 1.125) < 1e-9
+    assert kept.weight_nbytes < widened.weight_nbytes
+    for x, y in zip(ours_logits(kept, prompt), ours_logits(widened, prompt)):
+        assert x.tobytes() == y.tobytes()
+
+
 def test_split_expert_tensors_are_accepted(tmp_path, hf):
     """The llama.cpp loader's fallback: ffn_gate_exps + ffn_up_exps instead of the fused tensor."""
     tensors = gguf_tensors(hf)

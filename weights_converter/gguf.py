@@ -64,6 +64,7 @@ import numpy as np
 from diffusiongemma.reference.config import FULL, SLIDING, ModelConfig, RopeParameters
 from diffusiongemma.reference.support.errors import CheckpointError, InputError
 from diffusiongemma.reference.support.checkpoint_io import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, STORAGE_DTYPES
+from diffusiongemma.reference.support.quantized import Q8_0Tensor, widen
 from diffusiongemma.reference.weights import expected_shapes
 
 ARCHITECTURE = "diffusion-gemma"
@@ -567,8 +568,9 @@ class GGUFCheckpoint:
         """The numpy shape of GGUF tensor ``name`` (its ``ne`` reversed)."""
         return tuple(int(n) for n in reversed(self.tensors[name].shape))
 
-    def read(self, name: str) -> np.ndarray:
-        """GGUF tensor ``name`` dequantized to a float32 array of its numpy shape (a fresh copy)."""
+    def read(self, name: str, keep_quantized: bool = False) -> np.ndarray | Q8_0Tensor:
+        """GGUF tensor ``name`` dequantized to a float32 array of its numpy shape (a fresh copy); with
+        ``keep_quantized`` a Q8_0 tensor comes as a ``Q8_0Tensor`` instead (its int8 values and scales)."""
         from gguf import GGMLQuantizationType, quants
 
         tensor = self.tensors[name]
@@ -585,6 +587,8 @@ class GGUFCheckpoint:
             data = raw.view(_RAW_DTYPES[qtype.name]).reshape(shape)
         else:  # blocks: rows of bytes, as gguf's reader hands them to ``quants.dequantize``
             data = raw.reshape(quants.quant_shape_to_byte_shape(shape, qtype))
+        if keep_quantized and qtype == GGMLQuantizationType.Q8_0:
+            return Q8_0Tensor.from_blocks(data, shape)
         try:
             if qtype == GGMLQuantizationType.F32:
                 out = data
@@ -826,8 +830,9 @@ def plan_gguf(checkpoint: GGUFCheckpoint) -> dict[str, tuple[str, ...]]:
 
 
 def iter_gguf_tensors(checkpoint: GGUFCheckpoint, plan: dict[str, tuple[str, ...]] | None = None,
-                      progress: bool = False) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(project name, float32 array)`` one tensor at a time, in ``expected_shapes`` order.
+                      progress: bool = False, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(project name, float32 array)`` one tensor at a time, in ``expected_shapes`` order; with
+    ``keep_quantized`` a tensor stored as Q8_0 (both halves, for split expert gate/up) is a ``Q8_0Tensor``.
 
     Raises ``CheckpointError`` for a tensor type the gguf package cannot dequantize, NaN/inf values, or an
     ``output.weight`` that differs from ``token_embd.weight``.
@@ -841,13 +846,18 @@ def iter_gguf_tensors(checkpoint: GGUFCheckpoint, plan: dict[str, tuple[str, ...
     try:
         for name, sources in plan.items():
             if len(sources) == 2:
-                array = np.concatenate([checkpoint.read(s) for s in sources], axis=1)
+                parts = [checkpoint.read(s, keep_quantized) for s in sources]
+                if all(isinstance(p, Q8_0Tensor) for p in parts):
+                    array = Q8_0Tensor.concatenate(parts, axis=1)
+                else:
+                    array = np.concatenate([widen(p) for p in parts], axis=1)
+                del parts
             else:
-                array = checkpoint.read(sources[0])
+                array = checkpoint.read(sources[0], keep_quantized)
             check_finite(array, f"{sources[0]} ({name})")
             if name == "embed_tokens" and OUTPUT in checkpoint.tensors:
                 head = checkpoint.read(OUTPUT)
-                if not np.array_equal(head, array):
+                if not np.array_equal(head, widen(array)):
                     raise CheckpointError(f"{checkpoint.path}: tensor {OUTPUT!r} differs from 'token_embd.weight'; "
                                           "an untied output projection is not supported")
                 del head
@@ -858,10 +868,12 @@ def iter_gguf_tensors(checkpoint: GGUFCheckpoint, plan: dict[str, tuple[str, ...
         bar.close()
 
 
-def load_gguf_checkpoint(path: str | os.PathLike, progress: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """``(config, {project name: float32 array})`` of a diffusion-gemma GGUF file (see the module docstring)."""
+def load_gguf_checkpoint(path: str | os.PathLike, progress: bool = False,
+                         keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """``(config, {project name: float32 array})`` of a diffusion-gemma GGUF file (see the module docstring);
+    with ``keep_quantized``, Q8_0 tensors as ``Q8_0Tensor`` (``reference.support.quantized``)."""
     checkpoint = GGUFCheckpoint.open(path)
-    tensors = dict(iter_gguf_tensors(checkpoint, progress=progress))
+    tensors = dict(iter_gguf_tensors(checkpoint, progress=progress, keep_quantized=keep_quantized))
     return checkpoint.config, tensors
 
 

@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
 from ..weights import LAYER_TENSORS, expected_shapes
+from .quantized import Q8_0Tensor
 from .errors import CheckpointError, ConfigError
 
 FORMAT_NAME = "diffusiongemma"
@@ -52,6 +53,8 @@ def check_finite(array: np.ndarray, name: str = "tensor", what: str = "refusing 
     temporary stays small for multi-gigabyte tensors; the message counts NaN and infinite values and
     gives the first flat index.
     """
+    if isinstance(array, Q8_0Tensor):  # its int8 values are finite; its scales may not be
+        array = array.finite_view()
     flat = np.asarray(array).reshape(-1)
     for start in range(0, flat.size, _FINITE_CHECK_CHUNK):
         chunk = flat[start:start + _FINITE_CHECK_CHUNK]
@@ -79,8 +82,9 @@ def check_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig, finite
     if unknown:
         raise CheckpointError(f"unknown tensor(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
     for name, shape in expected.items():
-        if tuple(np.shape(tensors[name])) != shape:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(np.shape(tensors[name]))}, expected {shape}")
+        got = tuple(tensors[name].shape) if isinstance(tensors[name], Q8_0Tensor) else tuple(np.shape(tensors[name]))
+        if got != shape:
+            raise CheckpointError(f"tensor {name!r} has shape {got}, expected {shape}")
     if finite:
         for name in expected:
             check_finite(tensors[name], name, "refusing to run on it")
@@ -250,9 +254,11 @@ READER_ENTRY_POINTS = "diffusiongemma.checkpoint_readers"
 _READERS: list[tuple[str, Callable[[str], bool], Callable[[str], tuple]]] = []
 
 
-def register_checkpoint_reader(name: str, matches: Callable[[str], bool], read: Callable[[str], tuple]) -> None:
+def register_checkpoint_reader(name: str, matches: Callable[[str], bool], read: Callable[..., tuple]) -> None:
     """Teach ``load_checkpoint`` another format: ``matches(path)`` says whether ``read(path)`` applies;
-    ``read`` returns ``(config, float32 tensors)``. Registering a name again replaces that reader."""
+    ``read(path, keep_quantized=False)`` returns ``(config, tensors)``, float32 arrays, except that with
+    ``keep_quantized`` a matrix the file stores quantized may come as a ``support.quantized.Q8_0Tensor``
+    (a format without quantized types ignores the flag). Registering a name again replaces that reader."""
     _READERS[:] = [r for r in _READERS if r[0] != name] + [(name, matches, read)]
 
 
@@ -276,9 +282,13 @@ _INSTALLED_READERS = (("transformers", "diffusiongemma.weights_converter:TRANSFO
                       ("gguf", "diffusiongemma.weights_converter:GGUF_READER"))
 
 
-def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_checkpoint(path: str | os.PathLike, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """``(config, float32 tensors)`` of a checkpoint: a converted directory (read here), or any format a
     registered reader knows (the converter registers a transformers directory and a GGUF file).
+
+    ``keep_quantized``: matrices a GGUF file stores as Q8_0 come as ``Q8_0Tensor`` (int8 values, float16
+    scales) instead of float32; ``quantized.widen`` gives their exact float32 values. Only a model that
+    computes on them directly asks for this (the CPU fast path, for its experts).
 
     Raises ``CheckpointError`` when ``path`` does not exist or is no known kind, or when its tensors are
     wrong, and ``ConfigError`` for an invalid config. Every backend's ``Model.from_pretrained`` loads
@@ -290,7 +300,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.
     readers = checkpoint_readers()
     for _, matches, read in readers:
         if matches(path):
-            return read(path)
+            return read(path, keep_quantized=True) if keep_quantized else read(path)
     if not os.path.exists(path):
         raise CheckpointError(f"model path {path!r} does not exist")
     known = ", ".join([f"a converted diffusiongemma directory ({INDEX_FILE})"] + [name for name, _, _ in readers])

@@ -1,0 +1,92 @@
+"""The routed experts of the CPU fast path: weights packed once into panels, products on our own kernel.
+
+A canvas of S tokens sends S * top_k rows to E experts, so each expert's two products have S * top_k / E
+rows (8-32 for the shapes the benchmarks run; 16 for the real model's 256-token canvas, top 8 of 128) for a
+weight matrix of (2 I, H) and (H, I). A general BLAS packs that matrix into its own layout on every call,
+which costs as much as the arithmetic at these row counts. Here each expert's matrices are packed once, at
+load, into panels of 32 output columns (``pack_panels``: (N, K) -> (ceil(N/32), K, 32)), and
+``_kernels.expert_ffn`` runs every expert of a layer in one parallel loop on the register tiles of
+``fast/panel_gemm.h`` (AVX-512, AVX2 + FMA or portable C, the same bits on each).
+
+Q8_0 experts (a GGUF file's ``*_exps`` stored as Q8_0, loaded with ``keep_quantized``) stay quantized:
+int8 panels with one float32 scale per block of 32 values of k (``pack_q8_0_panels``): 1.125 bytes a
+weight, 3.56x fewer than float32 (the file's float16 scales widened once, at load). The kernel widens 128 values of k of a panel at a time into a small buffer and runs the
+float32 tile on it, so its result is the float32 path's on the dequantized weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from diffusiongemma.reference.support.quantized import Q8_0Tensor, widen
+
+from . import _kernels
+
+__all__ = ["PANEL", "ExpertPanels", "pack_panels", "pack_q8_0_panels", "unpack_panels"]
+
+PANEL = _kernels.PANEL  # output columns of one panel (32)
+
+
+def pack_panels(w: np.ndarray) -> np.ndarray:
+    """(..., N, K) -> (..., ceil(N/32), K, 32) C-contiguous, panel p holding rows 32p..32p+31 of w as
+    columns (zeros past N). float32 for float32 input; int8 input (Q8_0 values) stays int8."""
+    *lead, N, K = w.shape
+    P = -(-N // PANEL)
+    padded = np.zeros(tuple(lead) + (P * PANEL, K), dtype=w.dtype)
+    padded[..., :N, :] = w
+    return np.ascontiguousarray(np.swapaxes(padded.reshape(tuple(lead) + (P, PANEL, K)), -1, -2))
+
+
+def unpack_panels(panels: np.ndarray, N: int) -> np.ndarray:
+    """The inverse of ``pack_panels``: (..., P, K, 32) -> (..., N, K)."""
+    *lead, P, K, width = panels.shape
+    return np.swapaxes(panels, -1, -2).reshape(tuple(lead) + (P * width, K))[..., :N, :]
+
+
+def pack_q8_0_panels(w: Q8_0Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 (..., N, K) as (int8 panels (..., P, K, 32), float32 scales (..., P, K/32, 32))."""
+    return pack_panels(w.values), pack_panels(w.scales.astype(np.float32))
+
+
+@dataclass
+class ExpertPanels:
+    """One layer's experts in the panel layout: float32, or Q8_0 kept quantized."""
+
+    num_experts: int  # E
+    hidden_size: int  # H
+    moe_intermediate_size: int  # I
+    gate_up: np.ndarray  # (E, ceil(2I/32), H, 32) float32 or int8: [gate_proj; up_proj] rows as panels
+    down: np.ndarray  # (E, ceil(H/32), I, 32) float32 or int8
+    gate_up_scales: Any = None  # (E, ceil(2I/32), H/32, 32) float32 (Q8_0 only)
+    down_scales: Any = None  # (E, ceil(H/32), I/32, 32) float32 (Q8_0 only)
+
+    @classmethod
+    def from_weights(cls, gate_up, down) -> "ExpertPanels":
+        """From the checkpoint's ``experts.gate_up_proj`` (E, 2I, H) and ``experts.down_proj`` (E, H, I):
+        float32 arrays, or both ``Q8_0Tensor`` (kept quantized). A Q8_0 tensor beside a float32 one is
+        widened: the experts of a layer share one kind."""
+        E, two_i, H = gate_up.shape
+        if isinstance(gate_up, Q8_0Tensor) and isinstance(down, Q8_0Tensor):
+            (g, gs), (d, ds) = pack_q8_0_panels(gate_up), pack_q8_0_panels(down)
+            return cls(E, H, two_i // 2, g, d, gs, ds)
+        return cls(E, H, two_i // 2, pack_panels(widen(gate_up)), pack_panels(widen(down)))
+
+    @property
+    def kind(self) -> str:
+        return "float32" if self.gate_up_scales is None else "q8_0"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (panels, scales; padding columns included)."""
+        return sum(int(a.nbytes) for a in (self.gate_up, self.down, self.gate_up_scales, self.down_scales)
+                   if a is not None)
+
+    def __call__(self, grouped: np.ndarray, offsets: np.ndarray, gate_up: np.ndarray, act: np.ndarray,
+                 y: np.ndarray) -> None:
+        """Every expert's gated MLP on its block of ``grouped`` rows (R, H) (``offsets``: (E + 1,)), into
+        y (R, H); gate_up (R, 2I) and act (R, I) are work buffers (``_kernels.expert_ffn``)."""
+        _kernels.expert_ffn(grouped, offsets, self.gate_up, self.down, self.moe_intermediate_size,
+                                   gate_up, act, y, self.gate_up_scales, self.down_scales)
