@@ -78,6 +78,11 @@ SETUPS = {
                                    sliding_head_dim=128, sliding_kv_heads=4, full_head_dim=256, full_kv_heads=2,
                                    sliding_window=512, num_experts=16, top_k_experts=4, canvas_length=128),
                     prompt=256, batch=1, steps=4, canvases=1),
+    # the released model's ratios (128 experts top 8, head sizes 256 / 512), scaled down: bench_peers.py's "real"
+    "real": Setup("real", dict(vocab_size=32768, hidden_size=768, intermediate_size=576, moe_intermediate_size=192,
+                               layer_types="SSSF", num_attention_heads=4, sliding_head_dim=256, sliding_kv_heads=2,
+                               full_head_dim=512, full_kv_heads=1, sliding_window=512, num_experts=128,
+                               top_k_experts=8, canvas_length=128), prompt=256, batch=1, steps=4, canvases=1),
 }
 
 
@@ -157,7 +162,7 @@ def hf_generate(model, prompt, setup: Setup):
 
 
 # ------------------------------------------------------------------------------------------ stage profile
-STAGES = ("attention", "dense MLP", "experts", "output projection", "self-conditioning product",
+STAGES = ("attention", "dense MLP", "experts", "expert products", "output projection", "self-conditioning product",
           "self-conditioning MLP", "sampling", "encoder", "other decoder", "loop and other")
 
 
@@ -205,7 +210,10 @@ class StageProfile:
         from diffusiongemma.fast import model as model_module
         from diffusiongemma.fast.sampling import FusedSampler
 
+        from diffusiongemma.fast.experts import ExpertPanels
+
         self.model, self._module, self._sampler_class = model, model_module, FusedSampler
+        self._panels, self._panels_call = ExpertPanels, ExpertPanels.__call__
         self.seconds = dict.fromkeys(STAGES, 0.0)
         self.flops = dict.fromkeys(STAGES, 0.0)
         self._stack: list[list] = []
@@ -274,11 +282,15 @@ class StageProfile:
             with profile.stage(name, 2.0 * x.shape[0] * x.shape[1] * (gate_up.shape[0] + down.shape[1])):
                 return originals["_gated_mlp"](x, gate_up, down, out)
 
-        def experts(w, h):
+        def experts(w, h):  # router, dispatch, combine (the products themselves: "expert products")
             M, H = h.shape
-            flops = 2.0 * M * H * (cfg.top_k_experts * 3 * cfg.moe_intermediate_size + cfg.num_experts)
-            with profile.stage("experts", flops):
+            with profile.stage("experts", 2.0 * M * H * cfg.num_experts):
                 return originals["_experts"](w, h)
+
+        def expert_products(panels, grouped, offsets, *buffers):
+            flops = 2.0 * float(offsets[-1]) * panels.hidden_size * 3 * panels.moe_intermediate_size
+            with profile.stage("expert products", flops):
+                return profile._panels_call(panels, grouped, offsets, *buffers)
 
         def sampler_call(sampler, *args, **kwargs):
             with profile.stage("sampling"):
@@ -286,6 +298,7 @@ class StageProfile:
 
         m._block, m._gated_mlp, m._experts, m.encode, m.decode_rows = block, gated_mlp, experts, encode, decode_rows
         self._sampler_class.__call__ = sampler_call
+        self._panels.__call__ = expert_products
         return self
 
     def __exit__(self, *exc):
@@ -294,6 +307,7 @@ class StageProfile:
             delattr(m, name)
         m.xp, m.ops = self._xp, self._ops
         self._sampler_class.__call__ = self._call
+        self._panels.__call__ = self._panels_call
         return False
 
     def lines(self, total: float) -> list[str]:

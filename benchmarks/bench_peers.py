@@ -8,7 +8,7 @@
     python benchmarks/bench_peers.py --stages-only WORKDIR [--configs ...]   # the fast path's stage profile
 
 ``--configs real`` adds a model with the released model's ratios (128 experts top 8, head sizes 256 / 512),
-scaled down (hidden 704, 4 layers, vocabulary 32768).
+scaled down (hidden 768, 4 layers, vocabulary 32768).
 
 One random model per configuration (``diffusiongemma.tiny``, seed 0) is written once as a transformers
 directory (with a byte-level BPE tokenizer, so that llama.cpp can read it) and converted for each peer:
@@ -82,7 +82,9 @@ def spec_for(name: str):
     from diffusiongemma.tiny import FULL, SLIDING, TinySpec
 
     if name == "real":
-        return TinySpec(vocab_size=32768, hidden_size=704, intermediate_size=528, moe_intermediate_size=176,
+        # hidden 768 = 2816 / 3.67 with the real ratios (dense MLP 0.75 H, experts H / 4), every width a
+        # whole number of Q8_0 blocks (704 / 176 were not, so a Q8_0 file stored the expert down projection F16)
+        return TinySpec(vocab_size=32768, hidden_size=768, intermediate_size=576, moe_intermediate_size=192,
                         layer_types=[SLIDING, SLIDING, SLIDING, FULL], num_attention_heads=4,
                         num_key_value_heads=2, num_global_key_value_heads=1, head_dim=256, global_head_dim=512,
                         num_experts=128, top_k_experts=8, sliding_window=512, canvas_length=128), 256
@@ -172,14 +174,15 @@ def _worker_generate(impl: str, model_dir: str, ids: list[int], canvas: int, ste
     import numpy as np
 
     start = time.perf_counter()
-    if impl in ("fast", "reference"):
+    if impl in ("fast", "fast Q8_0", "reference"):
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(threads)
-        if impl == "fast":
+        if impl.startswith("fast"):  # "fast Q8_0": model_dir is the Q8_0 GGUF, its experts kept quantized
             from diffusiongemma import fast
 
             model, generate = fast.Model.from_pretrained(model_dir, device="cpu"), fast.generate
+            WEIGHT_BYTES["fast"] = model.weight_nbytes
         else:
             from diffusiongemma.reference import Model, generate
 
@@ -275,6 +278,9 @@ def _worker_generate(impl: str, model_dir: str, ids: list[int], canvas: int, ste
     return time.perf_counter() - start, run
 
 
+WEIGHT_BYTES: dict = {}  # the fast path's weights as it holds them (Model.weight_nbytes), reported by the worker
+
+
 def vm_hwm_kib(pid: "int | str" = "self") -> int:
     """The peak resident set of a process (``VmHWM`` of /proc/PID/status, KiB); 0 when unreadable. Unlike
     ``ru_maxrss`` it starts afresh at exec, so the benchmark's own size before the fork does not count."""
@@ -325,7 +331,8 @@ def worker(args) -> int:
         passes = run()
         times.append(time.perf_counter() - start)
     print(RESULT_TAG + json.dumps({"load_s": load_s, "warmup_s": warm, "seconds": times, "passes": passes,
-                                    "vm_hwm_kib": vm_hwm_kib(), "cpus": len(os.sched_getaffinity(0))}),
+                                    "vm_hwm_kib": vm_hwm_kib(), "cpus": len(os.sched_getaffinity(0)),
+                                    "weight_bytes": WEIGHT_BYTES.get("fast")}),
           flush=True)
     return 0
 
@@ -469,7 +476,8 @@ def main(argv=None) -> int:
     p.add_argument("--jax-python", default=None)
     p.add_argument("--gemma-src", default=None, help="directory to put on the JAX Python's path (gemma snapshot)")
     p.add_argument("--mlx-path", default=None)
-    p.add_argument("--q8", action="store_true", help="also run llama.cpp on a Q8_0 GGUF of the same model")
+    p.add_argument("--q8", action="store_true", help="also run llama.cpp and the fast path on a Q8_0 GGUF of the "
+                                                      "same model (the fast path keeps its experts Q8_0)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=None)
@@ -516,6 +524,8 @@ def main(argv=None) -> int:
         entries = [k for k, (ok, _) in peers.items() if ok and f"{name}:{k}" not in args.skip]
         if "gguf_q8_0" in paths and "llama.cpp" in entries:
             entries.append("llama.cpp Q8_0")
+        if "gguf_q8_0" in paths and "fast" in entries:
+            entries.insert(entries.index("fast") + 1, "fast Q8_0")  # the same Q8_0 file, experts kept Q8_0
         for threads in args.threads:
             before = load()
             for r in range(args.rounds):
@@ -530,6 +540,9 @@ def main(argv=None) -> int:
                         out = run_python_peer(impl, sys.executable, paths["mlx"], paths, threads, args.repeats,
                                               {"PYTHONPATH": os.pathsep.join(filter(None, [args.mlx_path, ROOT]))},
                                               args.timeout)
+                    elif impl == "fast Q8_0":
+                        out = run_python_peer(impl, sys.executable, paths["gguf_q8_0"], paths, threads,
+                                              args.repeats, None, args.timeout)
                     else:
                         out = run_python_peer(impl, sys.executable, paths["hf"], paths, threads, args.repeats,
                                               None, args.timeout)
@@ -585,15 +598,19 @@ def summarize(results: list[dict]) -> list[dict]:
         row["rss_mib"] = max(row["rss_mib"], r["rss_mib"])
         row["passes"] = r["passes"]
         row["warmup_s"] = r.get("warmup_s")
+        if r.get("weight_bytes"):
+            row["weight_mib"] = r["weight_bytes"] / 2 ** 20
     table = list(rows.values())
     for row in table:
         if row["per_round"]:
             s = statistics.median(row["per_round"])
             row.update(seconds=s, passes_per_s=row["passes"] / s, tokens_per_s=row["canvas"] / s)
     for row in table:  # the fast path's ratio to the fastest peer (not ours) at its config and threads
-        if row["impl"] == "fast" and "seconds" in row:
+        if row["impl"].startswith("fast") and "seconds" in row:  # fast Q8_0: against the peers' Q8_0 runs
+            q8 = row["impl"].endswith("Q8_0")
             others = [o for o in table if (o["config"], o["threads"]) == (row["config"], row["threads"])
-                      and o["impl"] not in ("fast", "reference") and "seconds" in o]
+                      and not o["impl"].startswith(("fast", "reference")) and "seconds" in o
+                      and o["impl"].endswith("Q8_0") == q8]
             if others:
                 best = min(others, key=lambda o: o["seconds"])
                 row["fastest_peer"], row["ratio_to_fastest_peer"] = best["impl"], best["seconds"] / row["seconds"]
@@ -602,18 +619,18 @@ def summarize(results: list[dict]) -> list[dict]:
 
 def format_table(table: list[dict]) -> str:
     lines = ["| config | threads | implementation | s / generate | decoder passes/s | tokens/s | peak RSS MiB | "
-             "rounds |", "|---|---|---|---|---|---|---|---|"]
+             "weights held MiB | rounds |", "|---|---|---|---|---|---|---|---|---|"]
     for row in table:
         if "seconds" not in row:
             lines.append(f"| {row['config']} | {row['threads']} | {row['impl']} | failed: "
-                         f"{row['errors'][0].splitlines()[0][:80] if row['errors'] else '?'} | | | | |")
+                         f"{row['errors'][0].splitlines()[0][:80] if row['errors'] else '?'} | | | | | |")
             continue
         extra = ""
         if "ratio_to_fastest_peer" in row:
             extra = f" ({row['ratio_to_fastest_peer']:.2f}x {row['fastest_peer']})"
         lines.append(f"| {row['config']} | {row['threads']} | {row['impl']}{extra} | {row['seconds']:.3f} | "
                      f"{row['passes_per_s']:.2f} | {row['tokens_per_s']:.1f} | {row['rss_mib']:.0f} | "
-                     f"{len(row['per_round'])} |")
+                     f"{format(row['weight_mib'], '.0f') if 'weight_mib' in row else ''} | {len(row['per_round'])} |")
     return "\n".join(lines)
 
 
@@ -625,7 +642,8 @@ def plot(table: list[dict], path: str, facts: dict) -> None:
 
     groups = sorted({(r["config"], r["threads"]) for r in table if "seconds" in r},
                     key=lambda g: (["small", "medium", "real"].index(g[0]), g[1]))
-    impls = [i for i in ["fast", "reference", "transformers", "llama.cpp", "llama.cpp Q8_0", "jax", "mlx-vlm"]
+    impls = [i for i in ["fast", "fast Q8_0", "reference", "transformers", "llama.cpp", "llama.cpp Q8_0", "jax",
+                         "mlx-vlm"]
              if any(r["impl"] == i and "seconds" in r for r in table)]  # a peer that failed everywhere: left out
     fig, axes = plt.subplots(1, len(groups), figsize=(2.6 * len(groups) + 1, 3.2), squeeze=False)
     for ax, (config, threads) in zip(axes[0], groups):
