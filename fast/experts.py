@@ -10,8 +10,9 @@ load, into panels of 32 output columns (``pack_panels``: (N, K) -> (ceil(N/32), 
 
 Q8_0 experts (a GGUF file's ``*_exps`` stored as Q8_0, loaded with ``keep_quantized``) stay quantized:
 int8 panels with one float32 scale per block of 32 values of k (``pack_q8_0_panels``): 1.125 bytes a
-weight, 3.56x fewer than float32 (the file's float16 scales widened once, at load). The kernel widens 128 values of k of a panel at a time into a small buffer and runs the
-float32 tile on it, so its result is the float32 path's on the dequantized weights, bit for bit.
+weight, 3.56x fewer than float32 (the file's float16 scales widened once, at load). The kernel widens
+``_kernels.PANEL_CHUNK`` (256) values of k of a panel at a time into a small buffer and runs the float32
+tile on it, so its result is the float32 path's on the dequantized weights, bit for bit.
 """
 
 from __future__ import annotations

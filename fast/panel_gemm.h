@@ -13,7 +13,7 @@
 
    Q8_0 weights (llama.cpp's type: blocks of 32 consecutive k of one row, int8 values and one float16
    scale) keep that layout's int8 panels, qpanels[p][k][j], and per-block scales scales[p][k / 32][j] as
-   float32 (a float16 widens exactly). A chunk of DG_KC values of k of one panel is widened into a buffer
+   float32 (a float16 widens exactly). A chunk of DG_KC = 256 values of k of one panel is widened into a buffer
    (int8 times scale is exact in float32: at most 8 + 11 significant bits) and run through the same tile,
    which carries its accumulators across chunks through the output rows. The result is therefore bit for
    bit that of the float32 panels of the dequantized weights.
@@ -27,11 +27,11 @@
 
 #define DG_NR 32   /* output columns of a panel */
 #ifndef DG_KC
-#define DG_KC 128  /* values of k per chunk (a multiple of the Q8_0 block of 32); 16 KB of float32 panel */
+#define DG_KC 256  /* values of k per chunk (a multiple of the Q8_0 block of 32); 32 KB of float32 panel */
 #endif
 #define DG_QK 32   /* Q8_0 block length */
 #ifndef DG_PF
-#define DG_PF 16
+#define DG_PF 64  /* prefetch distance, in values of k (64 x 128 bytes ahead): measured best of 0/16/32/64 */
 #endif
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(DG_NO_SIMD)
@@ -239,7 +239,7 @@ static void dg_widen_q8_0(const int8_t *q, const float *scales, int64_t kc, floa
 }
 
 /* c (m, N) = x (m, K) W^T with W as Q8_0 panels: int8 (ceil(N/32), K, 32), scales (ceil(N/32), K/32, 32);
-   K must be a multiple of 32. The widened chunk lives on the calling thread's stack (16 KB). */
+   K must be a multiple of 32. The widened chunk lives on the calling thread's stack (32 KB). */
 static void dg_panel_matmul_q8_0(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const int8_t *qpanels,
                                  const float *scales, int64_t N, int64_t K, float *c, int64_t ldc) {
     float buf[DG_KC * DG_NR] __attribute__((aligned(64)));
