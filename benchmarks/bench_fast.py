@@ -19,7 +19,8 @@ Entries compared with each other run in alternation (fast, transformers, referen
 is the median of ``--repeats`` runs after a warm-up round, so that a change of the machine's load hits all
 of them alike; every line carries the load average when it was printed. At the end, a per-stage breakdown
 of one fast generate per configuration at one thread (``StageProfile``: share of the time and GFLOP/s of
-attention, dense MLP, experts, output projection, self-conditioning product and MLP, sampling, encoder).
+attention, dense MLP, the experts' routing and their products, output projection, self-conditioning product and
+MLP, sampling, encoder).
 The machine line, thread pools and the git commit are printed first. Weights are random
 (``tests.random_weights.random_tensors``); timings do not depend on their values except through adaptive
 stopping, which is off.
@@ -162,8 +163,8 @@ def hf_generate(model, prompt, setup: Setup):
 
 
 # ------------------------------------------------------------------------------------------ stage profile
-STAGES = ("attention", "dense MLP", "experts", "expert products", "output projection", "self-conditioning product",
-          "self-conditioning MLP", "sampling", "encoder", "other decoder", "loop and other")
+STAGES = ("attention", "dense MLP", "experts: router, dispatch, combine", "experts: products", "output projection",
+          "self-conditioning product", "self-conditioning MLP", "sampling", "encoder", "other decoder", "loop and other")
 
 
 class _TimedXp:
@@ -241,10 +242,9 @@ class StageProfile:
         return _Stage()
 
     def product_stage(self, b):
-        m = self.model
-        base = b if b.base is None else b.base
-        if base is m.embed_tokens:
-            return "output projection" if b is not m.embed_tokens else "self-conditioning product"
+        E = self.model.embed_tokens  # (V, H); compared by address: a loaded embedding is itself a view
+        if b.ctypes.data == E.ctypes.data and b.size == E.size:
+            return "self-conditioning product" if b.shape == E.shape else "output projection"  # p @ E, h @ E.T
         return None  # the other products are timed by the stage that makes them
 
     # ---------------------------------------------------------------- wrapping
@@ -282,14 +282,14 @@ class StageProfile:
             with profile.stage(name, 2.0 * x.shape[0] * x.shape[1] * (gate_up.shape[0] + down.shape[1])):
                 return originals["_gated_mlp"](x, gate_up, down, out)
 
-        def experts(w, h):  # router, dispatch, combine (the products themselves: "expert products")
+        def experts(w, h):  # the products themselves: "experts: products"
             M, H = h.shape
-            with profile.stage("experts", 2.0 * M * H * cfg.num_experts):
+            with profile.stage("experts: router, dispatch, combine", 2.0 * M * H * cfg.num_experts):
                 return originals["_experts"](w, h)
 
         def expert_products(panels, grouped, offsets, *buffers):
             flops = 2.0 * float(offsets[-1]) * panels.hidden_size * 3 * panels.moe_intermediate_size
-            with profile.stage("expert products", flops):
+            with profile.stage("experts: products", flops):
                 return profile._panels_call(panels, grouped, offsets, *buffers)
 
         def sampler_call(sampler, *args, **kwargs):
