@@ -655,10 +655,9 @@ cdef extern from "panel_gemm.h":
     int dg_panel_get_isa() noexcept nogil
     int dg_panel_set_isa(int isa) noexcept nogil
     dg_panel_fn dg_panel_kernel() noexcept nogil
-    void dg_panel_matmul_f32(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *panels,
-                             int64_t N, int64_t K, float *c, int64_t ldc) noexcept nogil
-    void dg_panel_matmul_q8_0(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const int8_t *qpanels,
-                              const float *scales, int64_t N, int64_t K, float *c, int64_t ldc) noexcept nogil
+    void dg_panel_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *panels,
+                         const int8_t *qpanels, const float *scales, int64_t N, int64_t K, float *c,
+                         int64_t ldc) noexcept nogil
 
 #: Output columns of one weight panel (``fast.experts``: weights packed as (..., ceil(N/PANEL), K, PANEL)).
 PANEL = DG_NR
@@ -710,8 +709,8 @@ def panel_matmul(const float[:, ::1] x, panels, Py_ssize_t N, float[:, ::1] out,
         _check_panels("panel_matmul", N, K, pf.shape[0], pf.shape[1], pf.shape[2], N)
         if m and N:
             with nogil:
-                dg_panel_matmul_f32(tile, &x[0, 0] if K else <const float *>NULL, K, m,
-                                    &pf[0, 0, 0] if K else <const float *>NULL, N, K, &out[0, 0], N)
+                dg_panel_matmul(tile, &x[0, 0] if K else <const float *>NULL, K, m,
+                                &pf[0, 0, 0] if K else <const float *>NULL, NULL, NULL, N, K, &out[0, 0], N)
         return
     pq, sq = panels, scales
     _check_panels("panel_matmul", N, K, pq.shape[0], pq.shape[1], pq.shape[2], N)
@@ -720,9 +719,9 @@ def panel_matmul(const float[:, ::1] x, panels, Py_ssize_t N, float[:, ::1] out,
                          f"{DG_NR}); got K = {K}, scales ({sq.shape[0]}, {sq.shape[1]}, {sq.shape[2]})")
     if m and N:
         with nogil:
-            dg_panel_matmul_q8_0(tile, &x[0, 0] if K else <const float *>NULL, K, m,
-                                 &pq[0, 0, 0] if K else <const int8_t *>NULL,
-                                 &sq[0, 0, 0] if K else <const float *>NULL, N, K, &out[0, 0], N)
+            dg_panel_matmul(tile, &x[0, 0] if K else <const float *>NULL, K, m, NULL,
+                            &pq[0, 0, 0] if K else <const int8_t *>NULL,
+                            &sq[0, 0, 0] if K else <const float *>NULL, N, K, &out[0, 0], N)
 
 
 @cython.boundscheck(False)
@@ -793,18 +792,14 @@ def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels
             a0 = offsets[e]
             n = offsets[e + 1] - a0
             if n > 0:
-                if q8:
-                    dg_panel_matmul_q8_0(tile, &x[a0, 0], H, n, gqp + e * gu_size, gsp + e * gu_scale_size,
-                                         2 * I, H, &gate_up[a0, 0], 2 * I)
-                else:
-                    dg_panel_matmul_f32(tile, &x[a0, 0], H, n, gfp + e * gu_size, 2 * I, H, &gate_up[a0, 0], 2 * I)
+                dg_panel_matmul(tile, &x[a0, 0], H, n, gfp + e * gu_size if not q8 else NULL,
+                                gqp + e * gu_size if q8 else NULL, gsp + e * gu_scale_size if q8 else NULL,
+                                2 * I, H, &gate_up[a0, 0], 2 * I)
                 for r in range(a0, a0 + n):
                     dg_gelu_gate_row(&gate_up[r, 0], &gate_up[r, I], I, &act[r, 0])
-                if q8:
-                    dg_panel_matmul_q8_0(tile, &act[a0, 0], I, n, dqp + e * down_size, dsp + e * down_scale_size,
-                                         H, I, &y[a0, 0], H)
-                else:
-                    dg_panel_matmul_f32(tile, &act[a0, 0], I, n, dfp + e * down_size, H, I, &y[a0, 0], H)
+                dg_panel_matmul(tile, &act[a0, 0], I, n, dfp + e * down_size if not q8 else NULL,
+                                dqp + e * down_size if q8 else NULL, dsp + e * down_scale_size if q8 else NULL,
+                                H, I, &y[a0, 0], H)
 
 
 # ============================================================================================ elementwise

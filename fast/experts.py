@@ -35,10 +35,14 @@ def pack_panels(w: np.ndarray) -> np.ndarray:
     """(..., N, K) -> (..., ceil(N/32), K, 32) C-contiguous, panel p holding rows 32p..32p+31 of w as
     columns (zeros past N). float32 for float32 input; int8 input (Q8_0 values) stays int8."""
     *lead, N, K = w.shape
+    lead, whole = tuple(lead), N // PANEL
     P = -(-N // PANEL)
-    padded = np.zeros(tuple(lead) + (P * PANEL, K), dtype=w.dtype)
-    padded[..., :N, :] = w
-    return np.ascontiguousarray(np.swapaxes(padded.reshape(tuple(lead) + (P, PANEL, K)), -1, -2))
+    out = np.empty(lead + (P, K, PANEL), dtype=w.dtype)  # one copy of w (loading holds w and this only)
+    out[..., :whole, :, :] = np.swapaxes(w[..., :whole * PANEL, :].reshape(lead + (whole, PANEL, K)), -1, -2)
+    if whole < P:  # the last, partial panel: zeros past N
+        out[..., whole, :, :] = 0
+        out[..., whole, :, :N - whole * PANEL] = np.swapaxes(w[..., whole * PANEL:, :], -1, -2)
+    return out
 
 
 def unpack_panels(panels: np.ndarray, N: int) -> np.ndarray:

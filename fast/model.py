@@ -123,13 +123,16 @@ class Model:
     unsupported device.
     """
 
-    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], device: str = "cpu"):
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], device: str = "cpu",
+                 release_tensors: bool = False):
+        """``release_tensors``: ``tensors`` is a dict this model may empty as it repacks (``from_pretrained``
+        passes its own, so that loading never holds the checkpoint's experts and their panels at once)."""
         self.device = check_device(device)
         check_tensors(tensors, config)
         self.config = config
         self.xp = CPU_ARRAYS  # NumPy with the products on the kernels' tiled BLAS calls (fast.blas)
         self.ops = _kernels
-        packed = pack(config, tensors, experts=ExpertPanels.from_weights)
+        packed = pack(config, tensors, experts=ExpertPanels.from_weights, release=release_tensors)
         self.embed_tokens, self.final_norm = packed.embed_tokens, packed.final_norm  # (V, H), (H,)
         self.sc_pre_norm, self.sc_gate_up, self.sc_down = packed.sc_pre_norm, packed.sc_gate_up, packed.sc_down
         self.layers = packed.layers
@@ -154,7 +157,8 @@ class Model:
         Q8_0 tensor is widened to float32); False widens everything at load, as the reference does.
         """
         check_device(device)
-        return cls(*load_checkpoint(path, keep_quantized=keep_quantized), device=device)
+        config, tensors = load_checkpoint(path, keep_quantized=keep_quantized)
+        return cls(config, tensors, device=device, release_tensors=True)
 
     @property
     def weight_nbytes(self) -> int:

@@ -206,24 +206,6 @@ static dg_panel_fn dg_panel_kernel(void) {
 }
 
 /* ------------------------------------------------------------------------------------- products */
-/* c (m, N) = x (m, K) W^T with W as float32 panels (ceil(N/32), K, 32). */
-static void dg_panel_matmul_f32(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *panels,
-                                int64_t N, int64_t K, float *c, int64_t ldc) {
-    if (m <= 0 || N <= 0) return;
-    if (K == 0) {
-        for (int64_t r = 0; r < m; r++) memset(c + r * ldc, 0, (size_t)N * sizeof(float));
-        return;
-    }
-    const int64_t P = (N + DG_NR - 1) / DG_NR;
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t nc = N - p * DG_NR < DG_NR ? N - p * DG_NR : DG_NR;
-        for (int64_t k0 = 0; k0 < K; k0 += DG_KC) {
-            const int64_t kc = K - k0 < DG_KC ? K - k0 : DG_KC;
-            tile(m, x + k0, ldx, panels + (p * K + k0) * DG_NR, kc, c + p * DG_NR, ldc, nc, k0 > 0);
-        }
-    }
-}
-
 /* kc (a multiple of 32, or the tail of K, itself a multiple of 32) values of k of one Q8_0 panel, widened:
    buf[k][j] = q[k][j] * scales[k / 32][j]. */
 #if (defined(__GNUC__) && !defined(__clang__)) && defined(__x86_64__) && !defined(DG_NO_SIMD)
@@ -238,10 +220,11 @@ static void dg_widen_q8_0(const int8_t *q, const float *scales, int64_t kc, floa
     }
 }
 
-/* c (m, N) = x (m, K) W^T with W as Q8_0 panels: int8 (ceil(N/32), K, 32), scales (ceil(N/32), K/32, 32);
-   K must be a multiple of 32. The widened chunk lives on the calling thread's stack (32 KB). */
-static void dg_panel_matmul_q8_0(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const int8_t *qpanels,
-                                 const float *scales, int64_t N, int64_t K, float *c, int64_t ldc) {
+/* c (m, N) = x (m, K) W^T, W as panels of either type: float32 ``panels`` (ceil(N/32), K, 32), or, when
+   ``qpanels`` is not NULL, Q8_0: int8 qpanels (ceil(N/32), K, 32) and float32 scales (ceil(N/32), K/32, 32),
+   K a multiple of 32, each chunk widened into a buffer on the calling thread's stack (32 KB). */
+static void dg_panel_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *panels,
+                            const int8_t *qpanels, const float *scales, int64_t N, int64_t K, float *c, int64_t ldc) {
     float buf[DG_KC * DG_NR] __attribute__((aligned(64)));
     if (m <= 0 || N <= 0) return;
     if (K == 0) {
@@ -253,8 +236,13 @@ static void dg_panel_matmul_q8_0(dg_panel_fn tile, const float *x, int64_t ldx, 
         const int64_t nc = N - p * DG_NR < DG_NR ? N - p * DG_NR : DG_NR;
         for (int64_t k0 = 0; k0 < K; k0 += DG_KC) {
             const int64_t kc = K - k0 < DG_KC ? K - k0 : DG_KC;
-            dg_widen_q8_0(qpanels + (p * K + k0) * DG_NR, scales + (p * (K / DG_QK) + k0 / DG_QK) * DG_NR, kc, buf);
-            tile(m, x + k0, ldx, buf, kc, c + p * DG_NR, ldc, nc, k0 > 0);
+            const float *w = panels + (p * K + k0) * DG_NR;
+            if (qpanels) {
+                dg_widen_q8_0(qpanels + (p * K + k0) * DG_NR, scales + (p * (K / DG_QK) + k0 / DG_QK) * DG_NR,
+                              kc, buf);
+                w = buf;
+            }
+            tile(m, x + k0, ldx, w, kc, c + p * DG_NR, ldc, nc, k0 > 0);
         }
     }
 }

@@ -69,12 +69,14 @@ class PackedWeights:
 
 def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
          upload: Callable[[np.ndarray], Any] = lambda array: array,
-         experts: Callable[[Any, Any], Any] | None = None) -> PackedWeights:
+         experts: Callable[[Any, Any], Any] | None = None, release: bool = False) -> PackedWeights:
     """Repack checked ``tensors`` (``reference.weights.check_tensors``) into the fast layout.
 
     upload: called on every float32 host array; returns what the model keeps (a device array on a GPU).
     experts: if given, ``experts(gate_up_proj, down_proj)`` of each layer (the checkpoint's tensors as they
     are, float32 or ``Q8_0Tensor``) becomes ``LayerWeights.experts`` and the two expert fields are None.
+    release: ``tensors`` is a dict of the caller's that may be emptied: each layer's expert tensors are
+    dropped from it once repacked, so that a load holds the checkpoint's copy of one layer at most.
     """
     t = _Widened(tensors)  # float32 values, quantized tensors dequantized (t.raw: as given)
     put = lambda array: upload(host_float32(array))  # noqa: E731
@@ -96,7 +98,7 @@ def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
             pre_ffn_norm_2=put(t[p + "pre_feedforward_layernorm_2"]),
             expert_gate_up=None if experts else put(t[p + "experts.gate_up_proj"]),
             expert_down=None if experts else put(t[p + "experts.down_proj"]),
-            experts=experts(t.raw[p + "experts.gate_up_proj"], t.raw[p + "experts.down_proj"]) if experts else None,
+            experts=_repacked_experts(experts, tensors, p, release) if experts else None,
             post_ffn_norm_2=put(t[p + "post_feedforward_layernorm_2"]),
             post_ffn_norm=put(t[p + "post_feedforward_layernorm"]),
             encoder_scalar=np.float32(np.asarray(t[p + "encoder_layer_scalar"]).reshape(-1)[0]),
@@ -120,3 +122,12 @@ class _Widened:
 
     def __getitem__(self, name: str) -> np.ndarray:
         return widen(self.raw[name])
+
+
+def _repacked_experts(experts: Callable[[Any, Any], Any], tensors, prefix: str, release: bool) -> Any:
+    names = (prefix + "experts.gate_up_proj", prefix + "experts.down_proj")
+    repacked = experts(tensors[names[0]], tensors[names[1]])
+    if release:
+        for name in names:
+            del tensors[name]
+    return repacked

@@ -229,3 +229,19 @@ def test_bad_shapes_offsets_and_scales_are_refused():
         Q8_0Tensor(values=np.zeros((2, 32), np.int16), scales=np.zeros((2, 1), np.float16))
     with pytest.raises(Exception, match="multiple of 32"):
         Q8_0Tensor(values=np.zeros((2, 48), np.int8), scales=np.zeros((2, 1), np.float16))
+
+
+def test_a_model_leaves_the_callers_tensors_alone_unless_told_to_release_them():
+    """``fast.Model(config, tensors)`` repacks without touching the caller's dict; ``from_pretrained``'s own
+    dict is emptied of each layer's experts as they are packed (so a load never holds both copies)."""
+    from diffusiongemma import fast
+    from diffusiongemma.tiny import make_config, random_tensors
+
+    config = make_config()
+    tensors = random_tensors(config, seed=0)
+    names = set(tensors)
+    fast.Model(config, tensors)
+    assert set(tensors) == names
+    released = dict(tensors)
+    fast.Model(config, released, release_tensors=True)
+    assert not any(".experts." in name for name in released) and set(released) < names
