@@ -76,7 +76,7 @@ class Recording:
 
 
 def record_transformers(model, input_ids, attention_mask=None, seed=0, script=None, **kwargs) -> Recording:
-    """Run ``model.generate`` with torch's RNG seeded, recording draws and calls.
+    """Run ``model.generate`` with torch's RNG seeded and one torch thread, recording draws and calls.
 
     script: None, or ``f(logits (B, C, V) float32, canvas_index, step_index) -> logits`` applied to the
     decoder's output inside transformers' loop (see the module docstring).
@@ -127,6 +127,10 @@ def record_transformers(model, input_ids, attention_mask=None, seed=0, script=No
              model.lm_head.register_forward_hook(lm_head_hook)]
     torch.randint, torch.multinomial = recording_randint, recording_multinomial
     model.forward = recording_forward  # generate() binds self.forward as its decoder
+    threads = torch.get_num_threads()
+    # one torch thread: the cases' expected paths (early exits, staggered stops) are those of these numbers,
+    # and torch's sums, hence the tokens, change with its thread count, which depends on the order tests ran
+    torch.set_num_threads(1)
     try:
         torch.manual_seed(seed)
         extra = {} if attention_mask is None else {"attention_mask": torch.tensor(attention_mask)}
@@ -135,6 +139,7 @@ def record_transformers(model, input_ids, attention_mask=None, seed=0, script=No
                 kwargs[key] = torch.tensor(kwargs[key])
         out = model.generate(torch.tensor(input_ids), **extra, **kwargs)
     finally:
+        torch.set_num_threads(threads)
         torch.randint, torch.multinomial = randint, multinomial
         del model.forward
         for hook in hooks:
