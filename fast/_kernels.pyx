@@ -726,9 +726,8 @@ def panel_matmul(const float[:, ::1] x, panels, Py_ssize_t N, float[:, ::1] out,
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels, down_panels,
-                      Py_ssize_t I, float[:, ::1] gate_up, float[:, ::1] act, float[:, ::1] y,
-                      gate_up_scales=None, down_scales=None):
+def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels, down_panels, Py_ssize_t I,
+               float[:, ::1] gate_up, float[:, ::1] act, float[:, ::1] y, gate_up_scales=None, down_scales=None):
     """Every expert's gated MLP on its block of rows, on packed weights, experts in parallel.
 
     x: (R, H) rows grouped by expert (expert e owns [offsets[e], offsets[e+1])). Weights as panels
@@ -751,9 +750,9 @@ def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels
     cdef const float *dsp = NULL
     cdef const int8_t *gqp = NULL
     cdef const int8_t *dqp = NULL
+    shape_g, shape_d = tuple(gate_up_panels.shape), tuple(down_panels.shape)
     if q8:
         gq, dq, gs, ds = gate_up_panels, down_panels, gate_up_scales, down_scales
-        shape_g, shape_d = tuple(gate_up_panels.shape), tuple(down_panels.shape)
         if (H % 32 or I % 32 or tuple(gate_up_scales.shape) != (shape_g[0], shape_g[1], H // 32, DG_NR)
                 or tuple(down_scales.shape) != (shape_d[0], shape_d[1], I // 32, DG_NR)):
             raise ValueError(f"expert_ffn: Q8_0 needs H ({H}) and I ({I}) multiples of 32 and scales "
@@ -761,7 +760,6 @@ def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels
                              f"{I // 32}, {DG_NR}); got {tuple(gate_up_scales.shape)} / {tuple(down_scales.shape)}")
     else:
         gf, df = gate_up_panels, down_panels
-        shape_g, shape_d = tuple(gate_up_panels.shape), tuple(down_panels.shape)
     E = shape_g[0]
     if shape_d[0] != E or offsets.shape[0] != E + 1:
         raise ValueError(f"expert_ffn: {E} experts in gate_up, {shape_d[0]} in down, "

@@ -60,9 +60,6 @@ def pack_q8_0_panels(w: Q8_0Tensor) -> tuple[np.ndarray, np.ndarray]:
 class ExpertPanels:
     """One layer's experts in the panel layout: float32, or Q8_0 kept quantized."""
 
-    num_experts: int  # E
-    hidden_size: int  # H
-    moe_intermediate_size: int  # I
     gate_up: np.ndarray  # (E, ceil(2I/32), H, 32) float32 or int8: [gate_proj; up_proj] rows as panels
     down: np.ndarray  # (E, ceil(H/32), I, 32) float32 or int8
     gate_up_scales: Any = None  # (E, ceil(2I/32), H/32, 32) float32 (Q8_0 only)
@@ -73,11 +70,22 @@ class ExpertPanels:
         """From the checkpoint's ``experts.gate_up_proj`` (E, 2I, H) and ``experts.down_proj`` (E, H, I):
         float32 arrays, or both ``Q8_0Tensor`` (kept quantized). A Q8_0 tensor beside a float32 one is
         widened: the experts of a layer share one kind."""
-        E, two_i, H = gate_up.shape
         if isinstance(gate_up, Q8_0Tensor) and isinstance(down, Q8_0Tensor):
             (g, gs), (d, ds) = pack_q8_0_panels(gate_up), pack_q8_0_panels(down)
-            return cls(E, H, two_i // 2, g, d, gs, ds)
-        return cls(E, H, two_i // 2, pack_panels(widen(gate_up)), pack_panels(widen(down)))
+            return cls(g, d, gs, ds)
+        return cls(pack_panels(widen(gate_up)), pack_panels(widen(down)))
+
+    @property
+    def num_experts(self) -> int:  # E
+        return self.gate_up.shape[0]
+
+    @property
+    def hidden_size(self) -> int:  # H: the gate/up products' K
+        return self.gate_up.shape[2]
+
+    @property
+    def moe_intermediate_size(self) -> int:  # I: the down product's K
+        return self.down.shape[2]
 
     @property
     def kind(self) -> str:
@@ -94,4 +102,4 @@ class ExpertPanels:
         """Every expert's gated MLP on its block of ``grouped`` rows (R, H) (``offsets``: (E + 1,)), into
         y (R, H); gate_up (R, 2I) and act (R, I) are work buffers (``_kernels.expert_ffn``)."""
         _kernels.expert_ffn(grouped, offsets, self.gate_up, self.down, self.moe_intermediate_size,
-                                   gate_up, act, y, self.gate_up_scales, self.down_scales)
+                            gate_up, act, y, self.gate_up_scales, self.down_scales)

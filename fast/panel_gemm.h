@@ -66,8 +66,8 @@ static void dg_panel_portable(int64_t m, const float *x, int64_t ldx, const floa
 /* ------------------------------------------------------------------------------------- AVX-512 */
 /* MR rows x 32 columns: 2 MR accumulators (16 for MR = 8), two panel loads and MR broadcasts per k. */
 __attribute__((always_inline, target("avx512f"))) static inline void
-dg_tile512(const int MR, const int pf, const float *x, int64_t ldx, const float *w, int64_t kc, float *c,
-           int64_t ldc, int64_t nc, int acc) {
+dg_tile512(const int MR, const float *x, int64_t ldx, const float *w, int64_t kc, float *c, int64_t ldc,
+           int64_t nc, int acc) {
     __m512 c0[8], c1[8];
     const __mmask16 m0 = nc >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nc) - 1u);
     const __mmask16 m1 = nc >= 32 ? (__mmask16)0xFFFF : nc <= 16 ? (__mmask16)0 : (__mmask16)((1u << (nc - 16)) - 1u);
@@ -76,10 +76,9 @@ dg_tile512(const int MR, const int pf, const float *x, int64_t ldx, const float 
         c1[r] = acc ? _mm512_maskz_loadu_ps(m1, c + r * ldc + 16) : _mm512_setzero_ps();
     }
     for (int64_t k = 0; k < kc; k++) {
-        if (pf) {  /* the panel's next lines: the first row block of a chunk reads it from memory */
-            _mm_prefetch((const char *)(w + DG_NR * (k + DG_PF)), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w + DG_NR * (k + DG_PF) + 16), _MM_HINT_T0);
-        }
+        /* the panel's lines DG_PF values of k ahead: the first row block of a chunk reads it from memory */
+        _mm_prefetch((const char *)(w + DG_NR * (k + DG_PF)), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + DG_NR * (k + DG_PF) + 16), _MM_HINT_T0);
         const __m512 w0 = _mm512_loadu_ps(w + DG_NR * k), w1 = _mm512_loadu_ps(w + DG_NR * k + 16);
         for (int r = 0; r < MR; r++) {
             const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
@@ -95,7 +94,7 @@ dg_tile512(const int MR, const int pf, const float *x, int64_t ldx, const float 
 
 #define DG_TILE512(MR) \
     __attribute__((target("avx512f"))) static void dg_tile512_##MR(const float *x, int64_t ldx, const float *w, \
-        int64_t kc, float *c, int64_t ldc, int64_t nc, int acc) { dg_tile512(MR, 1, x, ldx, w, kc, c, ldc, nc, acc); }
+        int64_t kc, float *c, int64_t ldc, int64_t nc, int acc) { dg_tile512(MR, x, ldx, w, kc, c, ldc, nc, acc); }
 DG_TILE512(1) DG_TILE512(2) DG_TILE512(3) DG_TILE512(4) DG_TILE512(5) DG_TILE512(6) DG_TILE512(7) DG_TILE512(8)
 
 __attribute__((target("avx512f"))) static void
@@ -236,12 +235,12 @@ static void dg_panel_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64
         const int64_t nc = N - p * DG_NR < DG_NR ? N - p * DG_NR : DG_NR;
         for (int64_t k0 = 0; k0 < K; k0 += DG_KC) {
             const int64_t kc = K - k0 < DG_KC ? K - k0 : DG_KC;
-            const float *w = panels + (p * K + k0) * DG_NR;
-            if (qpanels) {
+            const float *w = buf;
+            if (qpanels)
                 dg_widen_q8_0(qpanels + (p * K + k0) * DG_NR, scales + (p * (K / DG_QK) + k0 / DG_QK) * DG_NR,
                               kc, buf);
-                w = buf;
-            }
+            else
+                w = panels + (p * K + k0) * DG_NR;
             tile(m, x + k0, ldx, w, kc, c + p * DG_NR, ldc, nc, k0 > 0);
         }
     }

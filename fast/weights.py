@@ -21,8 +21,8 @@ __all__ = ["LayerWeights", "PackedWeights", "pack", "host_float32"]
 
 
 def host_float32(array: np.ndarray) -> np.ndarray:
-    """A C-contiguous float32 copy (or view) of ``array`` on the host (a ``Q8_0Tensor`` dequantized)."""
-    return np.ascontiguousarray(widen(array), dtype=np.float32)
+    """A C-contiguous float32 copy (or view) of ``array`` on the host."""
+    return np.ascontiguousarray(array, dtype=np.float32)
 
 
 @dataclass

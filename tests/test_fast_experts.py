@@ -245,3 +245,15 @@ def test_a_model_leaves_the_callers_tensors_alone_unless_told_to_release_them():
     released = dict(tensors)
     fast.Model(config, released, release_tensors=True)
     assert not any(".experts." in name for name in released) and set(released) < names
+
+
+def test_a_q8_0_tensor_with_a_non_finite_scale_is_refused_by_the_finiteness_rule():
+    """Kept quantized, a Q8_0 matrix is checked through its scales (its int8 values are always finite)."""
+    from diffusiongemma.reference.support.checkpoint_io import check_finite
+    from diffusiongemma.reference.support.errors import CheckpointError
+
+    scales = np.ones((2, 2), np.float16)
+    check_finite(Q8_0Tensor(values=np.ones((2, 64), np.int8), scales=scales), "ok")
+    scales[1, 0] = np.inf
+    with pytest.raises(CheckpointError, match=r"'layers.0.experts.down_proj' holds 1 NaN or infinite"):
+        check_finite(Q8_0Tensor(values=np.ones((2, 64), np.int8), scales=scales), "layers.0.experts.down_proj")

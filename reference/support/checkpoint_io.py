@@ -54,7 +54,7 @@ def check_finite(array: np.ndarray, name: str = "tensor", what: str = "refusing 
     gives the first flat index.
     """
     if isinstance(array, Q8_0Tensor):  # its int8 values are finite; its scales may not be
-        array = array.finite_view()
+        array = array.scales
     flat = np.asarray(array).reshape(-1)
     for start in range(0, flat.size, _FINITE_CHECK_CHUNK):
         chunk = flat[start:start + _FINITE_CHECK_CHUNK]

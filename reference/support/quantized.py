@@ -77,10 +77,6 @@ class Q8_0Tensor:
         v = self.values.astype(np.float32).reshape(self.scales.shape + (Q8_0_BLOCK,))
         return (v * self.scales.astype(np.float32)[..., None]).reshape(self.shape)
 
-    def finite_view(self) -> np.ndarray:
-        """What can be non-finite: the scales (int8 values always are finite)."""
-        return self.scales
-
 
 def widen(tensor) -> np.ndarray:
     """The float32 values of ``tensor``: a ``Q8_0Tensor`` dequantized, anything else as a float32 array."""
