@@ -163,6 +163,9 @@ setup(
             "transformers==5.24.0",
             "matplotlib>=3.7",  # tests/test_plot.py draws every figure of `diffusiongemma plot`
             "diffusers>=0.42.1",  # tests/test_crosscheck.py (clean install measured at 2.4 min on 2 cores)
+            # NVRTC (a plain library: no toolkit, driver or GPU) for tests/test_gpu_compile.py, 90 MB
+            "nvidia-cuda-nvrtc-cu12>=12.4; sys_platform == 'linux' and "
+            "(platform_machine == 'x86_64' or platform_machine == 'aarch64')",
         ],
         "plot": ["matplotlib>=3.7"],  # diffusiongemma plot (pictures of the denoising)
         "mlx": ["mlx[cpu]>=0.32.4; sys_platform == 'linux'", "mlx>=0.32.4; sys_platform == 'darwin'",

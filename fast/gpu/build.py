@@ -12,11 +12,14 @@ GPU machine. This module lets a machine with no GPU check them ahead of time:
 * ``check_all()`` does that for every source and architecture; ``python -m diffusiongemma.fast.gpu.build``
   prints the table.
 
-Nothing here imports CuPy. Errors: ``CompilerNotFound`` when neither compiler can be found (callers
-decide whether that is a failure; the tests treat it as one unless ``DIFFUSIONGEMMA_SKIP_CUDA_COMPILE=1``),
-``CompileError`` (a ``RuntimeError``) carrying the compiler's log when a source does not compile.
-Environment: ``DIFFUSIONGEMMA_NVCC`` (path of nvcc), ``DIFFUSIONGEMMA_NVRTC`` (path of libnvrtc.so),
-``CUDA_HOME`` / ``CUDA_PATH``.
+Nothing here imports CuPy, and nothing needs a GPU or a driver: NVRTC is a plain shared library (the test
+extra installs it as the ``nvidia-cuda-nvrtc-cu12`` wheel on Linux x86_64 and aarch64), loaded with ctypes, so
+the compile checks run on a machine without the CUDA toolkit. Errors: ``CompilerNotFound`` when neither
+compiler can be found (callers decide whether that is a failure; the tests treat it as one where the test
+extra installs the NVRTC wheel, unless ``DIFFUSIONGEMMA_SKIP_CUDA_COMPILE=1``, and skip with the reason printed
+elsewhere), ``CompileError`` (a ``RuntimeError``) carrying the compiler's log when a source does not compile.
+Environment: ``DIFFUSIONGEMMA_NVCC`` (path of nvcc; ``none`` hides every nvcc, as on a machine without the
+toolkit: ``.ci/run`` sets it), ``DIFFUSIONGEMMA_NVRTC`` (path of libnvrtc.so), ``CUDA_HOME`` / ``CUDA_PATH``.
 """
 
 from __future__ import annotations
@@ -129,9 +132,12 @@ def assemble_all(directory: str = CUDA_DIR) -> str:
 
 # ------------------------------------------------------------------------------------------------ compilers
 def find_nvcc() -> str | None:
-    """Path of nvcc: ``$DIFFUSIONGEMMA_NVCC``, then ``PATH``, then ``$CUDA_HOME/bin``, ``/usr/local/cuda/bin``."""
+    """Path of nvcc: ``$DIFFUSIONGEMMA_NVCC`` (``none``: no nvcc at all), then ``PATH``, then ``$CUDA_HOME/bin``,
+    ``/usr/local/cuda/bin``; None when there is none."""
     explicit = os.environ.get("DIFFUSIONGEMMA_NVCC")
     if explicit:
+        if explicit.lower() == "none":
+            return None
         return explicit if os.access(explicit, os.X_OK) else None
     found = shutil.which("nvcc")
     if found:
