@@ -48,8 +48,9 @@ class CpuBackend(HostAcceptance):
         self.B, self.C, self.V = int(batch_size), int(model.config.canvas_length), int(model.config.vocab_size)
         self.acceptor = TRANSFORMERS.sampler.start(1, TRANSFORMERS.threshold)  # the spec's entropy bound
         self.sampler = FusedSampler()
-        # logits, then probabilities, then next step's SC input, all in one buffer
-        self.buffer = np.empty((self.B, self.C, self.V), dtype=np.float32)
+        # logits, then probabilities, then next step's SC input, all in one buffer; allocated by the first
+        # canvas, after the loop's size checks (``check_budget``) have accepted the run
+        self.buffer: np.ndarray | None = None
         self.cache: Any = None
         self.has_sc = False  # the buffer holds self-conditioning probabilities
 
@@ -63,6 +64,8 @@ class CpuBackend(HostAcceptance):
     def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None, canvas: np.ndarray) -> None:
         B, C, V = self.B, self.C, self.V
         self.cache, self.has_sc = cache, False
+        if self.buffer is None:
+            self.buffer = np.empty((B, C, V), dtype=np.float32)
         if sc_logits is not None:  # user SC logits (first canvas): their softmax
             self.model.ops.softmax(sc_logits.reshape(B * C, V), self.buffer.reshape(B * C, V))
             self.has_sc = True

@@ -4,9 +4,13 @@ Same contents as ``reference.cache.KVCache`` (keys after ``k_norm`` and RoPE, va
 value norm; full-attention layers keep every encoded token, sliding layers the last ``sliding_window - 1``;
 SPEC §6 step 3, traps T5/T6), stored so that nothing is copied or reallocated per token:
 
-* a sliding layer owns a ring of ``W - 1`` slots; position p lives in slot ``p mod (W - 1)``;
+* a sliding layer owns a ring of ``W - 1`` slots; position p lives in slot ``p mod (W - 1)``. The ring is
+  allocated as the positions arrive: ``min(W - 1, capacity)`` slots (while fewer than W - 1 positions are
+  held, slot = position), so a huge ``sliding_window`` costs nothing up front;
 * a full layer owns ``capacity`` slots, slot = position; capacity grows geometrically (rounded up to
-  whole canvases) only when an encode call needs more, and ``reserve`` can size it up front;
+  whole canvases, never past ``max_position_embeddings``) only when an encode call needs more, and
+  ``reserve`` can size it up front. Every growth first checks its bytes against the memory the device
+  has free (``InputError`` with the estimate, before anything is allocated);
 * ``slot_positions[l][t]`` is the absolute position held by slot t of layer l (-1: empty), and
   ``real[b, p]`` (uint8) says whether position p of row b was a real token or padding.
 
@@ -24,6 +28,7 @@ import numpy as np
 
 from diffusiongemma.reference.cache import KVCache as ReferenceKVCache
 from diffusiongemma.reference.config import ModelConfig
+from diffusiongemma.reference.support.checks import available_memory
 from diffusiongemma.reference.support.errors import InputError
 
 __all__ = ["KVCache", "HostArrays", "HOST"]
@@ -43,6 +48,10 @@ class HostArrays:
 
     def to_host(self, array: np.ndarray) -> np.ndarray:
         return array
+
+    def available_memory(self) -> int | None:
+        """Bytes of host memory still free (``reference.support.checks.available_memory``)."""
+        return available_memory()
 
 
 HOST = HostArrays()
@@ -73,7 +82,7 @@ class KVCache:
         self._slots_dev: list = []
         for layer in range(config.num_hidden_layers):
             g, d = config.layer_num_key_value_heads[layer], config.layer_head_dim[layer]
-            slots = config.sliding_window - 1 if config.is_sliding(layer) else 0
+            slots = 0  # sliding rings too grow with the positions (``reserve``), up to W - 1 slots
             self.keys.append(device.zeros((self.batch_size, g, slots, d), np.float32))
             self.values.append(device.zeros((self.batch_size, g, slots, d), np.float32))
             self.slot_positions.append(np.full(slots, -1, dtype=np.int64))
@@ -116,26 +125,36 @@ class KVCache:
 
     # ------------------------------------------------------------------ growth
     def reserve(self, total_positions: int) -> None:
-        """Make room for ``total_positions`` encoded positions (full layers and the realness table).
+        """Make room for ``total_positions`` encoded positions (full layers, sliding rings up to W - 1 slots,
+        and the realness table).
 
-        Grows to at least 1.5x the current capacity, rounded up to whole canvases, so that appending
-        canvas after canvas reallocates O(log n) times. Existing contents are kept.
+        Grows to at least 1.5x the current capacity, rounded up to whole canvases (but never past
+        ``max_position_embeddings`` when that covers the request), so that appending canvas after canvas
+        reallocates O(log n) times. Existing contents are kept. Raises ``InputError`` with the byte
+        estimate, before allocating anything, when the growth does not fit in the device's free memory.
         """
         if total_positions <= self._capacity:
             return
         dev, L = self.device, self._length
         new_cap = max(int(total_positions), (self._capacity * 3) // 2)
         new_cap = -(-new_cap // self._chunk) * self._chunk  # round up to whole canvases
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit is not None and total_positions <= int(limit) < new_cap:
+            new_cap = int(limit)  # positions past the model's limit are refused anyway (check_positions)
+        self._check_growth(new_cap)
+        window = int(self.config.sliding_window) - 1
         for layer in range(self.config.num_hidden_layers):
-            if self.config.is_sliding(layer):
+            slots = min(new_cap, window) if self.config.is_sliding(layer) else new_cap
+            if slots <= self.keys[layer].shape[2]:
                 continue
+            kept = min(L, self.keys[layer].shape[2])  # a ring smaller than W - 1 holds positions 0..L-1 as is
             for store in (self.keys, self.values):
                 old = store[layer]
-                grown = dev.zeros(old.shape[:2] + (new_cap, old.shape[3]), np.float32)
-                grown[:, :, :L] = old[:, :, :L]
+                grown = dev.zeros(old.shape[:2] + (slots, old.shape[3]), np.float32)
+                grown[:, :, :kept] = old[:, :, :kept]
                 store[layer] = grown
-            positions = np.full(new_cap, -1, dtype=np.int64)
-            positions[:L] = np.arange(L)
+            positions = np.full(slots, -1, dtype=np.int64)
+            positions[:kept] = self.slot_positions[layer][:kept]
             self.slot_positions[layer] = positions
             self._slots_dev[layer] = dev.to_device(positions)
         real = np.zeros((self.batch_size, new_cap), dtype=np.uint8)
@@ -143,6 +162,29 @@ class KVCache:
         self._real_host = real
         self.real = dev.to_device(real)
         self._capacity = new_cap
+
+    def growth_bytes(self, new_capacity: int) -> int:
+        """Bytes that growing to ``new_capacity`` positions allocates: float32 keys and values of every layer
+        (a sliding ring at most W - 1 slots) plus the uint8 realness table and the int64 slot tables."""
+        window = int(self.config.sliding_window) - 1
+        total = self.batch_size * int(new_capacity)  # realness table
+        for layer in range(self.config.num_hidden_layers):
+            slots = min(new_capacity, window) if self.config.is_sliding(layer) else new_capacity
+            have = self.keys[layer].shape[2] if layer < len(self.keys) else 0
+            if slots > have:
+                g, d = self.config.layer_num_key_value_heads[layer], self.config.layer_head_dim[layer]
+                total += 2 * 4 * self.batch_size * g * int(slots) * d + 8 * int(slots)
+        return total
+
+    def _check_growth(self, new_capacity: int) -> None:
+        """Refuse (``InputError`` with the numbers) a growth that cannot fit in the device's free memory."""
+        needed = self.growth_bytes(new_capacity)
+        probe = getattr(self.device, "available_memory", None)
+        free = probe() if probe is not None else None
+        if free is not None and needed > free:
+            raise InputError(f"the KV cache for {self.batch_size} row(s) and {new_capacity:,} positions needs about "
+                             f"{needed:,} bytes ({needed / 2 ** 30:.2f} GiB) but {free:,} bytes "
+                             f"({free / 2 ** 30:.2f} GiB) of memory are available; use fewer tokens or rows")
 
     # ------------------------------------------------------------------ appending (encoder)
     def begin_append(self, mask: np.ndarray) -> None:

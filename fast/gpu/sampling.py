@@ -77,8 +77,7 @@ class GpuBackend:
         self.model, self.dev = model, model.device
         self.B, self.C, self.V = int(batch_size), int(model.config.canvas_length), int(model.config.vocab_size)
         self.draws, self.observer, self.logits_hook = draws, observer, logits_hook
-        with self.dev.context():
-            self.buffer = self.dev.empty((self.B, self.C, self.V), np.float32)  # the one (C x V) buffer per row
+        self.buffer: Any = None  # the one (C x V) buffer per row, allocated by the first canvas (after check_budget)
         self.has_sc = False  # buffer holds self-conditioning probabilities for every row
         self.cache: Any = None
 
@@ -88,6 +87,9 @@ class GpuBackend:
     def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None, canvas: np.ndarray) -> None:
         """Start a canvas: no self-conditioning, or the caller's logits (first canvas only)."""
         self.cache, self.has_sc = cache, False
+        if self.buffer is None:
+            with self.dev.context():
+                self.buffer = self.dev.empty((self.B, self.C, self.V), np.float32)
         if sc_logits is not None:
             self.buffer[...] = self.dev.to_device(sc_logits)
             self.model._softmax_in_place(self.buffer, np.arange(self.B), "self_conditioning_logits")

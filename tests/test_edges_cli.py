@@ -1,0 +1,87 @@
+"""Misuse at the edges of the command line and the Python API, and sizes checked before anything is allocated.
+
+Each case is one a trial of inputs no earlier test had tried found ending in a traceback, a MemoryError or
+someone else's words: a configuration whose sizes the fast path allocated before checking them, a batch
+too large for memory, ragged id lists, a model that is not a model, numbers finite in float64 but not in
+float32, impossible trace records, a configuration altered after recording, a disk that fills up, a
+``--llama-bin`` that is not llama.cpp. Each now gets one line naming the path, option, field or value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from diffusiongemma import fast
+from diffusiongemma.reference.generate import generate as reference_generate
+from diffusiongemma.reference.model import Model as ReferenceModel
+from diffusiongemma.reference.support.errors import InputError
+from tests.random_weights import make_config, random_tensors
+
+CONFIG = make_config()  # V=128, C=16, W=8, layers S,S,F,S,F
+TENSORS = random_tensors(CONFIG, 0)
+LIMIT = 2 ** 31 - 1  # the largest max_position_embeddings a configuration may declare (int32 positions)
+
+
+# ------------------------------------------------------------------------------------------------ sizes first
+def _before_but(message: str) -> str:
+    """The estimate part of a memory refusal (the free-memory number after "but" varies from call to call)."""
+    return message.split(" but ")[0]
+
+
+def test_a_huge_canvas_is_refused_with_the_byte_estimate_on_every_backend():
+    """canvas_length 2^30: the fast path allocated its (B, C, V) logits buffer (512 GiB) before the loop's
+    budget check and died in a MemoryError; now every backend gives the reference's estimate."""
+    config = dataclasses.replace(CONFIG, canvas_length=2 ** 30, max_position_embeddings=LIMIT)
+    messages = []
+    for model, run in ((ReferenceModel(config, TENSORS), reference_generate), (fast.Model(config, TENSORS), fast.generate)):
+        with pytest.raises(InputError) as error:
+            run(model, np.full((1, 4), 5), max_new_tokens=32)
+        messages.append(_before_but(str(error.value)))
+    assert messages[0] == messages[1]
+    assert "this run needs about 2,199,023,2" in messages[0] and "canvas(es) of 1073741824" in messages[0]
+
+
+def test_a_huge_sliding_window_costs_nothing_up_front():
+    """sliding_window 2^31 - 1: the fast cache allocated W - 1 ring slots per sliding layer at once (256 GiB);
+    its rings now grow with the positions, so the run gives the reference's tokens."""
+    config = dataclasses.replace(CONFIG, sliding_window=LIMIT, max_position_embeddings=LIMIT)
+    ids = np.random.default_rng(0).integers(3, 125, (2, 5))
+    want = reference_generate(ReferenceModel(config, TENSORS), ids, max_new_tokens=32, max_denoising_steps=3)
+    model = fast.Model(config, TENSORS)
+    got = fast.generate(model, ids, max_new_tokens=32, max_denoising_steps=3)
+    np.testing.assert_array_equal(got.sequences, want.sequences)
+    cache = model.new_cache(2)
+    model.encode(ids, cache)
+    assert max(k.shape[2] for k in cache.keys) == cache.capacity < 64  # no ring of 2^31 - 2 slots
+
+
+def test_a_ring_that_grows_keeps_the_reference_cache():
+    """Rings allocated lazily, grown past W - 1 over several encode calls: the same keys as the reference."""
+    model, ref = fast.Model(CONFIG, TENSORS), ReferenceModel(CONFIG, TENSORS)
+    cache, ref_cache = model.new_cache(1), ref.new_cache(1)
+    for n in (3, 2, 6, 1):  # positions 0..11 with W - 1 = 7 slots
+        ids = np.full((1, n), 7 + n)
+        model.encode(ids, cache)
+        ref.encode(ids, ref_cache)
+    back = cache.to_reference()
+    for layer in range(CONFIG.num_hidden_layers):
+        np.testing.assert_allclose(back.keys[layer], ref_cache.keys[layer], rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_too_large_for_memory_is_refused_before_allocating(monkeypatch):
+    """``fast.generate(model, np.full((10**6, 4), 5), ...)`` on the shipped model (V = 4096, C = 32) asked
+    NumPy for a 488 GiB logits buffer before the budget check; now it is the reference's refusal."""
+    from diffusiongemma.checkpoint import default_model_dir
+
+    monkeypatch.setattr("diffusiongemma.reference.support.checks.available_memory", lambda: 2 ** 30)
+    monkeypatch.setattr("diffusiongemma.fast.cache.available_memory", lambda: 2 ** 30, raising=False)
+    model = fast.Model.from_pretrained(default_model_dir())
+    with pytest.raises(InputError, match=r"this run needs about [\d,]+ bytes .*1000000 row\(s\)\) but "
+                                         r"1,073,741,824 bytes"):
+        fast.generate(model, np.full((10 ** 6, 4), 5), max_new_tokens=32)
+    cache = model.new_cache(10 ** 6)  # the API's own cache: its first growth is checked too
+    with pytest.raises(InputError, match=r"the KV cache for 1000000 row\(s\) and 32 positions needs about"):
+        model.encode(np.full((10 ** 6, 4), 5), cache)
