@@ -85,3 +85,15 @@ def test_a_batch_too_large_for_memory_is_refused_before_allocating(monkeypatch):
     cache = model.new_cache(10 ** 6)  # the API's own cache: its first growth is checked too
     with pytest.raises(InputError, match=r"the KV cache for 1000000 row\(s\) and 32 positions needs about"):
         model.encode(np.full((10 ** 6, 4), 5), cache)
+
+
+def test_the_gpu_path_refuses_a_huge_canvas_before_allocating():
+    """The same on the GPU path (cuda-sim): its (B, C, V) device buffer was allocated before the budget check;
+    the check now asks the cache's device how much memory it has free."""
+    from diffusiongemma.fast import gpu
+    from diffusiongemma.fast.gpu.sim import SimDevice
+
+    config = dataclasses.replace(CONFIG, canvas_length=2 ** 30, max_position_embeddings=LIMIT)
+    model = gpu.Model(config, TENSORS, device=SimDevice(checks=False))
+    with pytest.raises(InputError, match=r"this run needs about 2,199,023,2[\d,]+ bytes .*canvas\(es\) of 1073741824"):
+        gpu.generate(model, np.full((1, 4), 5), max_new_tokens=32)

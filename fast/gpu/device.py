@@ -120,6 +120,16 @@ class CupyDevice:
     def synchronize(self) -> None:
         self.xp.cuda.Device().synchronize()
 
+    def available_memory(self) -> int | None:
+        """Bytes this GPU can still allocate: the driver's free memory plus what CuPy's pool holds unused."""
+        try:
+            with self._device:
+                free = int(self.xp.cuda.runtime.memGetInfo()[0])
+            pool = self.xp.get_default_memory_pool()
+            return free + int(pool.free_bytes())
+        except Exception:  # noqa: BLE001  (an unknown amount: the allocation itself will tell)
+            return None
+
 
 def device_index(device: str) -> int:
     if not isinstance(device, str):

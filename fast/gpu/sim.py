@@ -565,5 +565,10 @@ class SimDevice:
     def to_host(self, array) -> np.ndarray:
         return np.array(array, copy=True)
 
+    def available_memory(self) -> int | None:
+        """The simulated device's memory is the host's."""
+        from diffusiongemma.reference.support.checks import available_memory
+        return available_memory()
+
     def synchronize(self) -> None:
         pass

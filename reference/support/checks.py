@@ -218,8 +218,9 @@ def check_budget(model_config: Any, ids: np.ndarray, mask: np.ndarray | None, ca
     * Positions: the cache (L), the prompt (P) and up to ``n_canvases`` canvases of C occupy positions
       0 .. L + P + n_canvases * C - 1, which must stay below ``max_position_embeddings``.
     * An ``attention_mask`` row of only zeros with an empty cache: that row has no real token.
-    * Memory, for a cache held in host memory (NumPy arrays): the keys/values the run adds and one
-      step's logit buffers (``run_memory_bytes``) must fit in ``available_memory()``.
+    * Memory: the keys/values the run adds and one step's logit buffers (``run_memory_bytes``) must fit
+      in the memory free where the cache lives: ``cache.device.available_memory()`` for a fast path's
+      cache (host or GPU), ``available_memory()`` for any other cache of NumPy arrays.
     Checks what ``model_config`` declares (a stand-in config without these fields skips them).
     """
     B, P = ids.shape
@@ -238,10 +239,12 @@ def check_budget(model_config: Any, ids: np.ndarray, mask: np.ndarray | None, ca
             raise InputError(f"attention_mask row {int(empty[0])} is all zeros: that row has no real token to "
                              "generate from (give it at least one 1, or leave the row out)")
     keys = getattr(cache, "keys", None)
-    host = isinstance(keys, list) and bool(keys) and isinstance(keys[0], np.ndarray)
-    if host and hasattr(model_config, "layer_head_dim"):
+    probe = getattr(getattr(cache, "device", None), "available_memory", None)  # a fast cache's device
+    if probe is None and isinstance(keys, list) and bool(keys) and isinstance(keys[0], np.ndarray):
+        probe = available_memory  # a cache held in host memory
+    if probe is not None and hasattr(model_config, "layer_head_dim"):
         needed = run_memory_bytes(model_config, B, L, L + P + (n_canvases - 1) * C)
-        free = available_memory()
+        free = probe()
         if free is not None and needed > free:
             raise InputError(f"this run needs about {needed:,} bytes ({needed / 2 ** 30:.2f} GiB: KV cache and "
                              f"logits for {n_canvases} canvas(es) of {C}, {B} row(s)) but {free:,} bytes "
