@@ -173,7 +173,8 @@ def test_chat_without_template_is_an_error(tmp_path, capsys):
 
 
 def test_cpu_backend_gives_the_reference_tokens(capsys):
-    ref = run_json(capsys, "And God said", "--seed", "4")
+    ref = run_json(capsys, "And God said", "--seed", "4", "--backend", "reference")
+    assert ref["backend"] == "reference"
     cpu = run_json(capsys, "And God said", "--seed", "4", "--backend", "cpu")
     assert cpu["backend"] == "cpu" and cpu["token_ids"] == ref["token_ids"]
 

@@ -11,7 +11,7 @@ import time
 
 from .argtypes import non_negative_float, positive_float, positive_int, seed
 
-BACKENDS = ["reference", "cpu", "gpu", "gpu-sim"]  # other backends are appended here by their modules
+BACKENDS = ["auto", "reference", "cpu", "gpu", "gpu-sim"]  # other backends are appended here by their modules
 SEMANTICS_NAMES = ("transformers", "jax", "llama.cpp", "vllm", "mlx-vlm", "diffusers")  # reference.semantics.SEMANTICS
 VIEWS = ("auto", "live", "plain")
 
@@ -52,8 +52,11 @@ def register(commands, formatter) -> None:
     gen.add_argument("-m", "--model", default=None, metavar="PATH",
                      help="checkpoint directory (transformers or converted) or GGUF file on this machine; "
                           "nothing is downloaded (default: the shipped tiny-kjv model)")
-    gen.add_argument("--backend", choices=BACKENDS, default="reference",
-                     help="reference (NumPy), cpu (compiled fast path), gpu (CuPy), gpu-sim (the CUDA kernels on the CPU, checked)")
+    gen.add_argument("--backend", choices=BACKENDS, default="auto",
+                     help="auto: the fastest one usable here (gpu when CuPy sees a GPU, else cpu when the compiled "
+                          "extension imports, else reference; the same tokens for a seed), printed with the "
+                          "timings; reference (NumPy), cpu (compiled fast path), gpu (CuPy), gpu-sim (the CUDA "
+                          "kernels on the CPU, checked)")
     gen.add_argument("--semantics", choices=SEMANTICS_NAMES, default="transformers",
                      help="run the loop with another implementation's stage choices (docs/PEERS.md); "
                           "other than transformers, only with --backend reference")
@@ -186,6 +189,34 @@ def check_model_path(path: str, option: str = "-m/--model") -> None:
     raise UsageError(f"{option} {path}: no such file or directory (give a checkpoint directory or a GGUF file)")
 
 
+def choose_backend(requested: str, needs_reference: bool = False) -> tuple[str, str]:
+    """(backend, why) for ``--backend requested``: any name but "auto" is kept; "auto" is "reference" when the
+    run needs the reference's per-step compute (``--greedy``, ``--semantics``), else "gpu" when CuPy imports and
+    sees a CUDA GPU, else "cpu" when the compiled fast path imports, else "reference". Every backend gives the
+    reference's tokens for a seed (tests/test_fast_generate.py, tests/test_gpu_equivalence.py)."""
+    if requested != "auto":
+        return requested, "--backend " + requested
+    if needs_reference:
+        return "reference", "auto: --greedy/--semantics run on the reference"
+    import importlib.util
+
+    gpu_reason = "CuPy is not installed"
+    if importlib.util.find_spec("cupy") is not None:
+        try:
+            from diffusiongemma.fast.gpu.device import gpu_available
+
+            usable, gpu_reason = gpu_available()
+            if usable:
+                return "gpu", f"auto: {gpu_reason}"
+        except ImportError as exc:
+            gpu_reason = f"the GPU path failed to import ({exc})"
+    try:
+        import diffusiongemma.fast  # noqa: F401  (the compiled extension)
+    except ImportError as exc:
+        return "reference", f"auto: no GPU ({gpu_reason}); the compiled CPU path failed to import ({exc})"
+    return "cpu", f"auto: no GPU ({gpu_reason})"
+
+
 def denoising_variant(args):
     """The run's stage choices (``--semantics``), with argmax proposals for ``--greedy`` / ``--temp 0``; None
     for transformers' own loop."""
@@ -231,6 +262,8 @@ def run(args) -> int:
     from .live_view import LiveCanvasView
     from .progress import Fanout, ProgressBars, without_library_progress
 
+    args.backend, backend_choice = choose_backend(
+        args.backend, needs_reference=args.greedy or args.temp == 0 or args.semantics != "transformers")
     variant = denoising_variant(args)
     prompt = read_prompt(args)
     seed_value, seed_given = (args.seed, True) if args.seed is not None else (int.from_bytes(os.urandom(4), "big"), False)
@@ -296,13 +329,15 @@ def run(args) -> int:
             "decoder_passes": int(result.forward_passes[0]) if result.forward_passes is not None else None,
             "timings": {"load_s": round(load_seconds, 4), "generate_s": round(seconds, 4), "tokens_per_s": rate},
             "threads": threads.describe(), "settings": settings.to_dict(), "model": path, "backend": args.backend,
+            "backend_choice": backend_choice,
             "version": __version__, "denoising": log.to_json(),
         }, ensure_ascii=False))
     else:
         print(text if args.chat else prompt + text, flush=True)  # a chat prints the reply, not the template
         print(f"[{n_real} tokens in {seconds:.2f} s: {n_real / max(seconds, 1e-9):.1f} tokens/s, "
               f"{float(result.tokens_per_forward[0]):.2f} tokens per forward, "
-              f"steps per canvas {list(result.steps_per_canvas)}, backend {args.backend}]", file=sys.stderr)
+              f"steps per canvas {list(result.steps_per_canvas)}, backend {args.backend}"
+              f"{' (auto)' if backend_choice.startswith('auto') else ''}]", file=sys.stderr)
         print(f"[{stop_line}; seed {seed_value}{'' if seed_given else ' (random)'}: --seed {seed_value} repeats "
               "this run]", file=sys.stderr)
     return 0

@@ -1,0 +1,73 @@
+"""The command line's defaults (#33): the fastest usable backend unless one is asked for, with the choice printed
+and the reference's tokens."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from diffusiongemma.cli import generate_cmd
+from diffusiongemma.cli.main import main
+
+SMALL = ["--max-new-tokens", "64", "--steps", "6", "--no-progress"]
+
+
+def run_json(capsys, *args) -> dict:
+    assert main(["generate", *args, "--json", *SMALL]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _cupy_sees_a_gpu() -> bool:
+    try:
+        from diffusiongemma.fast.gpu.device import gpu_available
+    except ImportError:
+        return False
+    return gpu_available()[0]
+
+
+@pytest.mark.parametrize("seed", ["0", "5", "11"])
+def test_the_default_backend_is_the_fastest_here_and_gives_the_reference_tokens(capsys, seed):
+    auto = run_json(capsys, "And God said", "--seed", seed)
+    assert auto["backend"] == ("gpu" if _cupy_sees_a_gpu() else "cpu"), auto["backend_choice"]
+    assert auto["backend_choice"].startswith("auto")
+    ref = run_json(capsys, "And God said", "--seed", seed, "--backend", "reference")
+    assert ref["backend"] == "reference" and ref["backend_choice"] == "--backend reference"
+    assert auto["token_ids"] == ref["token_ids"] and auto["steps_per_canvas"] == ref["steps_per_canvas"]
+
+
+def test_the_backend_that_ran_is_printed(capsys):
+    assert main(["generate", "And God said", "--seed", "1", *SMALL]) == 0
+    err = capsys.readouterr().err
+    expected = "gpu" if _cupy_sees_a_gpu() else "cpu"
+    assert f"backend {expected} (auto)]" in err, err
+    assert main(["generate", "And God said", "--seed", "1", "--backend", "reference", *SMALL]) == 0
+    assert "backend reference]" in capsys.readouterr().err
+
+
+def test_auto_falls_back_to_the_reference_without_the_compiled_path(monkeypatch):
+    monkeypatch.setitem(sys.modules, "diffusiongemma.fast", None)  # `import diffusiongemma.fast` raises ImportError
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)  # no CuPy
+    backend, why = generate_cmd.choose_backend("auto")
+    assert backend == "reference" and "CuPy is not installed" in why and "failed to import" in why
+
+
+def test_auto_takes_a_usable_gpu(monkeypatch):
+    import diffusiongemma.fast.gpu.device as device
+
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    monkeypatch.setattr(device, "gpu_available", lambda: (True, "1 GPU(s), GPU 0 = test"))
+    assert generate_cmd.choose_backend("auto") == ("gpu", "auto: 1 GPU(s), GPU 0 = test")
+    monkeypatch.setattr(device, "gpu_available", lambda: (False, "no CUDA GPU is visible"))
+    assert generate_cmd.choose_backend("auto") == ("cpu", "auto: no GPU (no CUDA GPU is visible)")
+
+
+def test_an_explicit_backend_is_kept():
+    for name in ("reference", "cpu", "gpu", "gpu-sim"):
+        assert generate_cmd.choose_backend(name)[0] == name
+
+
+def test_greedy_and_semantics_run_on_the_reference_under_auto(capsys):
+    assert run_json(capsys, "And God said", "--seed", "2", "--greedy")["backend"] == "reference"
+    assert run_json(capsys, "And God said", "--seed", "2", "--semantics", "jax")["backend"] == "reference"
