@@ -66,16 +66,37 @@ def load_checkpoint(path: str, backend: str = "reference", attempts: int = 3):
         except CheckpointError as exc:
             if _identity(path) != before:
                 continue  # replaced mid-read: read the new version
-            if pinned != path:  # name the user's path, not the handle's
-                raise CheckpointError(str(exc).replace(pinned, path)) from None
+            renamed = _user_path_error(exc, pinned, path)
+            if renamed is not None:
+                raise renamed from None
+            raise
+        except Exception as exc:  # ConfigError of config.json, a tokenizer's or an OS error: the user's path too
+            renamed = _user_path_error(exc, pinned, path)
+            if renamed is not None:
+                raise renamed from None
             raise
         finally:
             if fd is not None:
                 os.close(fd)
         if _identity(path) == before:
             return text_side, model
-    raise CheckpointReplaced(f"{path}: the checkpoint was replaced while it was being read, {attempts} times in a "
-                             "row (a `convert --force` to it in progress?); run again once it has finished")
+    raise CheckpointReplaced(f"{path}: a replace is in progress (the checkpoint was replaced while it was being "
+                             f"read, {attempts} times in a row: a `convert --force` to it?); run again once it has "
+                             "finished")
+
+
+def _user_path_error(exc: Exception, pinned: str, path: str) -> Exception | None:
+    """``exc`` again, of the same type, with the handle's name (``/proc/self/fd/N``) replaced by the user's
+    ``path`` in its message; None when the message does not hold the handle's name."""
+    text = str(exc)
+    if pinned == path or pinned not in text:
+        return None
+    text = text.replace(pinned, path)
+    try:
+        renamed = type(exc)(text)
+    except Exception:  # noqa: BLE001  (a type that takes other arguments: the project's own kind)
+        return CheckpointError(text)
+    return renamed if str(renamed) == text else CheckpointError(text)
 
 
 def _pin(path: str) -> tuple[int | None, str]:

@@ -97,3 +97,38 @@ def test_the_gpu_path_refuses_a_huge_canvas_before_allocating():
     model = gpu.Model(config, TENSORS, device=SimDevice(checks=False))
     with pytest.raises(InputError, match=r"this run needs about 2,199,023,2[\d,]+ bytes .*canvas\(es\) of 1073741824"):
         gpu.generate(model, np.full((1, 4), 5), max_new_tokens=32)
+
+
+# ------------------------------------------------------------------------------------------------ user's path
+def _model_copy(tmp_path, **text_config):
+    """The shipped model's directory in ``tmp_path`` (weights linked, not copied) with text_config changes."""
+    import json
+    import os
+
+    from diffusiongemma.checkpoint import default_model_dir
+
+    source, target = default_model_dir(), tmp_path / "my model"
+    target.mkdir()
+    for name in os.listdir(source):
+        if name.endswith(".safetensors"):
+            os.symlink(os.path.join(source, name), target / name)
+        elif name != "config.json":
+            (target / name).write_bytes(open(os.path.join(source, name), "rb").read())
+    config = json.load(open(os.path.join(source, "config.json")))
+    config["text_config"].update(text_config)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize("change", [{"hidden_size": -1}, {"rms_norm_eps": "x"}, None])
+def test_cli_errors_name_the_users_directory_not_the_handle(tmp_path, capsys, change):
+    """The command reads a checkpoint through one directory handle (/proc/self/fd/N); its errors said so."""
+    from diffusiongemma.cli.main import main
+
+    model = _model_copy(tmp_path, **(change or {}))
+    if change is None:
+        (model / "config.json").write_text("{not json")
+    rc = main(["generate", "-m", str(model), "-n", "8", "--steps", "2", "--view", "plain", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "/proc/self/fd" not in err
+    assert f"{model}/config.json" in err and len(err.strip().splitlines()) == 1, err
