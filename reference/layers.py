@@ -9,6 +9,8 @@ E experts, K experts per token.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .config import ModelConfig
@@ -61,21 +63,35 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: np.ndar
     return out.transpose(0, 3, 1, 2, 4).reshape(B, S, n_h * d)  # (B, S, n_h*d)
 
 
-def route(h: np.ndarray, w: dict, config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+def lower_index_top_k(probs: np.ndarray, k: int) -> np.ndarray:
+    """The K largest router probabilities of each row, largest first, equal values by lower expert index.
+
+    probs: (N, E) float32; k: K <= E. Returns (N, K) int64 expert indices (a stable descending sort; NaN
+    last). This is the project's rule where upstream has none: transformers takes ``torch.topk``, whose
+    order among equal values torch documents as not guaranteed (on the CPU it is whatever libstdc++'s
+    selection leaves, e.g. experts {1, 2} of [1, 1, 1, 0] for K = 2; ``variants/router.py``). It matters
+    only for an exact tie at the K-th place (trap T25); JAX's ``lax.top_k`` documents this same rule.
+    """
+    return np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+
+
+def route(h: np.ndarray, w: dict, config: ModelConfig,
+          top_k: "Callable[[np.ndarray, int], np.ndarray]" = lower_index_top_k) -> tuple[np.ndarray, np.ndarray]:
     """Pick K experts per token and their weights.
 
     h: (N, H), the raw residual stream after attention (not a pre-FFN norm: trap T7).
     Returns (indices (N, K) int64, weights (N, K) float32):
     z = norm(h) * scale * H**-0.5 (weightless norm); p = softmax(z W_router^T) over all E experts in
-    float32; take the K largest (ties: lower expert index first); renormalise them to sum to 1; then
-    multiply each by ``per_expert_scale`` of its expert. Upstream: ``DiffusionGemmaTextRouter``.
+    float32; take the K largest (``top_k``; by default ties go to the lower expert index, trap T25);
+    renormalise them to sum to 1; then multiply each by ``per_expert_scale`` of its expert.
+    Upstream: ``DiffusionGemmaTextRouter``.
     """
     z = rms_norm(h, None, config.rms_norm_eps) * w["router.scale"] * np.float32(config.hidden_size ** -0.5)
     logits = z @ w["router.proj"].T  # (N, E)
     logits = logits - logits.max(axis=-1, keepdims=True)
     probs = np.exp(logits)
     probs /= probs.sum(axis=-1, keepdims=True)
-    top = np.argsort(-probs, axis=-1, kind="stable")[:, : config.top_k_experts]  # (N, K)
+    top = top_k(probs, config.top_k_experts)  # (N, K)
     top_p = np.take_along_axis(probs, top, axis=-1)
     weights = top_p / top_p.sum(axis=-1, keepdims=True) * w["router.per_expert_scale"][top]
     return top, weights.astype(np.float32)
@@ -100,19 +116,20 @@ def experts(x: np.ndarray, indices: np.ndarray, weights: np.ndarray, w: dict) ->
     return out
 
 
-def feed_forward(h: np.ndarray, w: dict, config: ModelConfig) -> np.ndarray:
+def feed_forward(h: np.ndarray, w: dict, config: ModelConfig,
+                 top_k: "Callable[[np.ndarray, int], np.ndarray]" = lower_index_top_k) -> np.ndarray:
     """Dense MLP and routed experts in parallel on the residual ``h`` (B, S, H); returns their normed sum.
 
     dense = post_ffn_1(MLP(pre_ffn(h))); moe = post_ffn_2(experts(pre_ffn_2(h)) routed on raw h);
     returns post_ffn(dense + moe), (B, S, H). The ``_1`` norms belong to the dense branch and the ``_2``
-    norms to the experts (SPEC §4.2).
+    norms to the experts (SPEC §4.2). ``top_k``: the router's selection (``route``).
     """
     eps = config.rms_norm_eps
     dense = gated_mlp(rms_norm(h, w["pre_feedforward_layernorm"], eps),
                       w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"])
     dense = rms_norm(dense, w["post_feedforward_layernorm_1"], eps)
     flat = h.reshape(-1, h.shape[-1])  # (B*S, H)
-    indices, weights = route(flat, w, config)
+    indices, weights = route(flat, w, config, top_k)
     moe = experts(rms_norm(flat, w["pre_feedforward_layernorm_2"], eps), indices, weights, w)
     moe = rms_norm(moe.reshape(h.shape), w["post_feedforward_layernorm_2"], eps)
     return rms_norm(dense + moe, w["post_feedforward_layernorm"], eps)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .cache import KVCache
 from .config import ModelConfig
-from .layers import attend, feed_forward, project_qkv
+from .layers import attend, feed_forward, lower_index_top_k, project_qkv
 from .masks import canvas_window, decoder_visibility, encoder_visibility
 from .primitives import embed, gated_mlp, rms_norm, rope_cos_sin, rope_inverse_frequencies, softcap
 from .support.checkpoint_io import check_tensors, load_checkpoint
@@ -46,6 +46,9 @@ class Model:
     """
 
     DENOISE_REPORTS = True
+    # The router's top-K selection, (probs (N, E), K) -> (N, K) indices: ties to the lower expert index
+    # (trap T25). ``variants.router.torch_cpu_top_k`` on an instance reproduces torch's CPU order instead.
+    router_top_k = staticmethod(lower_index_top_k)
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray]):
         check_tensors(tensors, config)
@@ -247,5 +250,5 @@ class Model:
         """
         eps = self.config.rms_norm_eps
         h = h + rms_norm(attn @ w["o_proj"].T, w["post_attention_layernorm"], eps)
-        h = h + feed_forward(h, w, self.config)
+        h = h + feed_forward(h, w, self.config, self.router_top_k)
         return h * layer_scalar

@@ -132,3 +132,37 @@ def test_cli_errors_name_the_users_directory_not_the_handle(tmp_path, capsys, ch
     err = capsys.readouterr().err
     assert rc == 2 and "/proc/self/fd" not in err
     assert f"{model}/config.json" in err and len(err.strip().splitlines()) == 1, err
+
+
+# ------------------------------------------------------------------------------------------------ numbers
+@pytest.mark.parametrize("option,value,expected", [
+    ("--temp", "1e308", "argument --temp: '1e308' is beyond float32's largest number"),
+    ("--entropy-bound", "1e308", "argument --entropy-bound: '1e308' is beyond float32's largest number"),
+    ("--t-max", "3.5e38", "argument --t-max: '3.5e38' is beyond float32's largest number"),
+    ("--entropy-bound", "1e-50", "argument --entropy-bound: '1e-50' is below float32's smallest positive number"),
+    ("--entropy-bound", "-inf", "argument --entropy-bound: expected a finite number > 0, got '-inf'"),
+    ("--temp", "-1e5", "argument --temp: expected a finite number >= 0, got '-1e5'"),
+    ("--temp", "-nan", "argument --temp: expected a finite number >= 0, got '-nan'"),
+])
+def test_numbers_beyond_float32_or_signed_are_refused_naming_the_option(capsys, option, value, expected):
+    """1e308 is finite in float64 but not in float32, in which every backend computes: it ran on with NumPy's
+    RuntimeWarning. ``-inf`` looked like an option to argparse ("expected one argument")."""
+    from diffusiongemma.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "-n", "8", "--steps", "2", "--view", "plain", option, value, "hi"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and expected in err, err
+    assert "expected one argument" not in err
+
+
+def test_signed_values_are_joined_only_after_options_that_take_one():
+    from diffusiongemma.cli.argtypes import join_signed_values
+    from diffusiongemma.cli.main import build_parser
+
+    parser = build_parser()
+    argv = ["generate", "--temp", "-inf", "--greedy", "-1e5", "-n", "-2e3", "--", "--temp", "-inf"]
+    assert join_signed_values(parser, argv) == ["generate", "--temp=-inf", "--greedy", "-1e5", "-n=-2e3", "--",
+                                                "--temp", "-inf"]
+    assert join_signed_values(parser, ["generate", "--temp", "0.5", "-m", "-dir"]) == [
+        "generate", "--temp", "0.5", "-m", "-dir"]

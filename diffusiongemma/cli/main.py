@@ -58,10 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line on ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    from .argtypes import join_signed_values
+
     argv = sys.argv[1:] if argv is None else list(argv)
     command = "diffusiongemma"
     try:
-        args = build_parser().parse_args(argv)  # importing the package sized the threads (diffusiongemma/threads.py)
+        parser = build_parser()
+        argv = join_signed_values(parser, argv)  # `--entropy-bound -inf`: a value, refused by the option's type
+        args = parser.parse_args(argv)  # importing the package sized the threads (diffusiongemma/threads.py)
         if getattr(args, "threads", None) is not None:  # --threads N wins over the sizing and the environment
             from diffusiongemma.threads import configure
 
