@@ -19,12 +19,21 @@ the tolerance and the run comparison; ``report.py`` the report. What is compared
   from the peer on the same logits and draws;
 * the adaptations the peer needed (made in a temporary copy or on the loaded object) and the defects seen.
 
+An exact tie among router probabilities at the K-th place leaves the experts kept to the implementation's
+sort (undefined upstream, SPEC trap T25): a forward row or teacher-forced run that differs only there, and
+agrees once our router uses torch's CPU order (``reference.variants.router.torch_cpu_top_k``), is reported
+as "undefined upstream" instead of a difference.
+
+Errors: ``PeerUnavailable`` (not installed, cannot load: the message has the install command) and
+``ConfigError`` / ``CheckpointError`` for a bad model directory.
+
 Errors: ``PeerUnavailable`` (not installed, cannot load: the message has the install command) and
 ``ConfigError`` / ``CheckpointError`` for a bad model directory.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from typing import Any
@@ -154,6 +163,48 @@ def compare_generation(model: Any, prompt: np.ndarray, settings: Any, semantics:
     return row
 
 
+class _TieWatch:
+    """The reference's router rule (ties to the lower expert index) that counts the token rows whose K-th
+    and (K+1)-th router probabilities are exactly equal: rows where the rule decides which experts run."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+
+    def __call__(self, probs: np.ndarray, k: int) -> np.ndarray:
+        from diffusiongemma.reference.layers import lower_index_top_k
+        from diffusiongemma.reference.variants.router import boundary_ties
+
+        self.rows += int(np.count_nonzero(boundary_ties(probs, k)))
+        return lower_index_top_k(probs, k)
+
+
+def _with_router(model: Any, top_k: Any) -> Any:
+    """A shallow copy of the reference ``model`` whose router selects with ``top_k``."""
+    other = copy.copy(model)
+    other.router_top_k = top_k
+    return other
+
+
+TIE_NOTE = ("exact ties among router probabilities at the K-th place ({rows} token routings): torch.topk's "
+            "order among equal values is not defined (trap T25); with torch's CPU order instead of the lower "
+            "expert index our result is within tolerance{detail}")
+
+
+def _forward_router_ties(rows: list, watch: _TieWatch, model: Any, x: Any, peer_out: dict) -> None:
+    """Mark the forward rows beyond tolerance that an exact router tie explains (``undefined_upstream``)."""
+    if not watch.rows or all(r.ok or r.probe for r in rows):
+        return
+    from diffusiongemma.reference.variants.router import torch_cpu_top_k
+
+    other = reference_forward(_with_router(model, torch_cpu_top_k), x)
+    for r in rows:
+        if r.ok or r.probe:
+            continue
+        diff = float(np.max(np.abs(np.asarray(peer_out[r.name], dtype=np.float64) - other[r.name])))
+        if diff <= r.tolerance:
+            r.undefined_upstream = TIE_NOTE.format(rows=watch.rows, detail=f" (max |d| {diff:.2e})")
+
+
 def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: int = 0, canvases: int = 2,
                workdir: str | None = None) -> Report:
     """Run ``peer`` and the reference side by side; return the ``Report`` (see the module notes).
@@ -183,10 +234,14 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
         settings = _settings(model_dir, ours_model, canvases)
         x = forward_inputs(ours_model.config, seed, settings.t_max if settings.t_max is not None else 1.0,
                            _image_token_id(model_dir, ours_model.config.vocab_size))
+        tol_model, watch = ours_model, _TieWatch()
+        ours_model = _with_router(ours_model, watch)  # counts exact router ties as it runs (trap T25)
         ours = reference_forward(ours_model, x)
-        tol, note = tolerances(ours_model, x, ours)
+        tol, note = tolerances(tol_model, x, ours)
+        peer_out = adapter.forward(x)
         report = Report(peer=peer, peer_version=peer_version, model=label, tolerance_note=note,
-                        forward=forward_rows(ours, adapter.forward(x), tol))
+                        forward=forward_rows(ours, peer_out, tol))
+        _forward_router_ties(report.forward, watch, ours_model, x, peer_out)
         # A second run per configuration with loose stopping (stability 0, confidence 1.5 nats), so that rows
         # stop early and the stopping rules (and diffusers' reading of stability 0 as 1) are compared too.
         early = settings.replace(confidence_threshold=max(LOOSE_CONFIDENCE, settings.confidence_threshold or 0.0),
@@ -201,8 +256,11 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
             context_map = adapter.context_map(x.image_token_id, getattr(ours_model.config, "pad_token_id", None))
         for label_k, semantics, options, run_settings in runs:
             run = adapter.generate(x.prompt, run_settings, seed, options)
-            report.generation.append(compare_generation(ours_model, x.prompt, run_settings, semantics, run, label_k,
-                                                        peer_layers, twin, context_map))
+            watch.rows = 0
+            row = compare_generation(ours_model, x.prompt, run_settings, semantics, run, label_k, peer_layers, twin,
+                                     context_map)
+            _generation_router_ties(row, watch, ours_model, x.prompt, run, peer_layers, twin, context_map)
+            report.generation.append(row)
             if not variants.is_transformers(semantics):
                 report.defects.append(_versus_transformers(ours_model, x.prompt, run_settings, run, label_k))
         if probe is not None and not probe.ok:
@@ -212,6 +270,25 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
         report.adaptations = list(adapter.adaptations)
         report.defects = list(adapter.defects) + report.defects
         return report
+
+
+def _generation_router_ties(row: GenerationRow, watch: _TieWatch, model: Any, prompt: np.ndarray, run: Any,
+                            peer_layers: Any, twin: Any, context_map: Any) -> None:
+    """A teacher-forced difference that an exact router tie explains becomes a note (undefined upstream)."""
+    d = row.divergence
+    if d is None or not watch.rows or not d.stage.startswith(("forward", "cache")):
+        return
+    from diffusiongemma.reference.variants.router import torch_cpu_top_k
+
+    summary, again = teacher_forced(_with_router(model, torch_cpu_top_k), run, prompt, peer_layers,
+                                    None if twin is None else _with_router(twin, torch_cpu_top_k), context_map)
+    if again is None:
+        where = "the cache before it" if d.step < 0 else f"step {d.step}"
+        row.notes.append("undefined upstream: " + TIE_NOTE.format(
+            rows=watch.rows, detail=f" on every decoder call and cache (with the lower-index rule the first "
+                                    f"difference was at canvas {d.canvas}, {where}, stage {d.stage})"))
+        summary.pop("context_notes", None)
+        row.teacher_forced, row.divergence = summary, None
 
 
 def _versus_transformers(model, prompt, settings, run, label) -> str:

@@ -24,10 +24,11 @@ class ForwardRow:
     tolerance: float  # the bound it is checked against (see ``tolerance_note``)
     argmax_agreement: float  # share of positions whose argmax is the same
     probe: bool = False  # a known-difference probe: reported, but it does not decide agreement
+    undefined_upstream: str = ""  # why the difference is one upstream leaves undefined (an exact router tie)
 
     @property
     def ok(self) -> bool:
-        return self.max_abs_diff <= self.tolerance
+        return self.max_abs_diff <= self.tolerance or bool(self.undefined_upstream)
 
 
 @dataclass
@@ -104,10 +105,12 @@ class Report:
         lines = [f"crosscheck {self.peer} {self.peer_version} on {self.model}", "",
                  "forward (max |peer - reference| per logits tensor)"]
         for r in self.forward:
-            mark = "ok  " if r.ok else ("note" if r.probe else "DIFF")
+            mark = ("tie " if r.undefined_upstream else "ok  ") if r.ok else ("note" if r.probe else "DIFF")
             lines.append(f"  {mark} {r.name:<18} shape={str(tuple(r.shape)):<14} "
                          f"max|d|={r.max_abs_diff:.2e} tol={r.tolerance:.2e} max|x|={r.max_abs_value:.2e} "
                          f"argmax agree={r.argmax_agreement:.3f}")
+            if r.undefined_upstream:
+                lines.append(f"       undefined upstream: {r.undefined_upstream}")
         lines.append(f"  tolerance: {self.tolerance_note}")
         if any(r.probe for r in self.forward):
             lines.append("  probe rows (note) show known differences; they do not decide the result")
