@@ -271,7 +271,7 @@ def test_route_matches_reference_including_ties():
     K.route(np.ascontiguousarray(logits), w["router.per_expert_scale"], idx, wts)
     np.testing.assert_array_equal(idx, idx_ref)
     np.testing.assert_allclose(wts, wts_ref, rtol=2e-6)
-    tied = np.zeros((2, E), np.float32)  # all experts tied: lowest indices first, like a stable sort
+    tied = np.zeros((2, E), np.float32)  # all tied: the lower expert index first (trap T25; torch leaves it undefined)
     K.route(tied, w["router.per_expert_scale"], idx[:2], wts[:2])
     np.testing.assert_array_equal(idx[:2], [[0, 1, 2], [0, 1, 2]])
 
