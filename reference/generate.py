@@ -40,7 +40,7 @@ from .draws import DrawSource
 from .generation_config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from .sampling import argmax_tokens, freeze_rows, scale_logits, softmax_and_entropy, tokens_per_forward
 from .stages import TRANSFORMERS, Semantics, get_semantics
-from .support.checks import (as_draw_source, check_budget, check_cache, check_prompt, check_special_ids,
+from .support.checks import (as_draw_source, check_budget, check_cache, check_model, check_prompt, check_special_ids,
                              check_start_canvas, check_start_sc_logits, resolve_config, run_denoiser)
 from .support.errors import ConfigError, InputError
 from .support.logits import check_logits
@@ -273,7 +273,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     ``SamplingError`` when logits hold NaN / +inf or a position has no finite logit, and
     ``draws.ReplayError`` when a replayed recording does not fit.
     """
-    config = resolve_config(model, generation_config, overrides)
+    config = resolve_config(check_model(model), generation_config, overrides)
     semantics = get_semantics(semantics)
     V, C = int(model.config.vocab_size), int(model.config.canvas_length)
     check_special_ids(config, V)

@@ -166,3 +166,30 @@ def test_signed_values_are_joined_only_after_options_that_take_one():
                                                 "--temp", "-inf"]
     assert join_signed_values(parser, ["generate", "--temp", "0.5", "-m", "-dir"]) == [
         "generate", "--temp", "0.5", "-m", "-dir"]
+
+
+# ------------------------------------------------------------------------------------------------ Python API misuse
+@pytest.mark.parametrize("run", [reference_generate, fast.generate], ids=["reference", "fast"])
+def test_ragged_ids_and_masks_are_named_input_errors(run):
+    """A list of rows of different lengths gave NumPy's "inhomogeneous shape" ValueError."""
+    model = fast.Model(CONFIG, TENSORS) if run is fast.generate else ReferenceModel(CONFIG, TENSORS)
+    with pytest.raises(InputError, match=r"^input_ids has rows of different lengths \(2, 1\); pad them"):
+        run(model, [[5, 6], [7]], max_new_tokens=16)
+    with pytest.raises(InputError, match=r"^attention_mask has rows of different lengths \(2, 1\)"):
+        run(model, [[5, 6], [7, 8]], attention_mask=[[1, 1], [1]], max_new_tokens=16)
+    with pytest.raises(InputError, match=r"^input_ids has rows of different lengths \(1, 3\)"):
+        model.encode([[5], [6, 7, 8]], model.new_cache(2))
+
+
+@pytest.mark.parametrize("model,expected", [
+    (None, r"^model must be a loaded DiffusionGemma model \(Model.from_pretrained\(path\)\), got None$"),
+    ("path/to/model", r"^model is the path 'path/to/model', not a model: pass a loaded model, e\.g\. "
+                      r"Model.from_pretrained\('path/to/model'\)$"),
+    (__import__("pathlib").Path("ckpt"), r"^model is the path 'ckpt', not a model"),
+    (object(), r"^model must be a loaded DiffusionGemma model .*got object$"),
+])
+def test_generate_without_a_loaded_model_says_what_to_pass(model, expected):
+    """``generate(None, ...)`` and ``generate("path", ...)`` ended in ``AttributeError ... 'config'``."""
+    for run in (reference_generate, fast.generate):
+        with pytest.raises(InputError, match=expected):
+            run(model, [[5, 6]], max_new_tokens=16)

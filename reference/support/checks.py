@@ -19,13 +19,45 @@ from .logits import check_logits
 from .observer import readonly
 
 
+def as_array(name: str, value: Any) -> np.ndarray:
+    """``np.asarray(value)``, with a ragged nested list (rows of different lengths, which NumPy refuses with its
+    own ValueError) refused as ``InputError`` naming ``name`` and the row lengths."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError) as exc:
+        lengths = None
+        try:
+            lengths = [len(row) for row in value]
+        except TypeError:
+            pass
+        if lengths is not None and len(set(lengths)) > 1:
+            shown = ", ".join(str(n) for n in lengths[:8]) + (", ..." if len(lengths) > 8 else "")
+            raise InputError(f"{name} has rows of different lengths ({shown}); pad them to one length (left "
+                             "padding, with an attention_mask of 0 over the pads)") from None
+        raise InputError(f"{name} is not an array of numbers ({exc})") from None
+
+
+def check_model(model: Any) -> Any:
+    """Refuse (``InputError``) what is not a loaded model: None, a checkpoint path (str or ``os.PathLike``:
+    say to load it with ``Model.from_pretrained``), or an object without ``config.vocab_size`` and
+    ``config.canvas_length``. Returns ``model``."""
+    if isinstance(model, (str, bytes, os.PathLike)):
+        raise InputError(f"model is the path {os.fsdecode(model)!r}, not a model: pass a loaded model, e.g. "
+                         f"Model.from_pretrained({os.fsdecode(model)!r})")
+    config = getattr(model, "config", None)
+    if model is None or not all(hasattr(config, field) for field in ("vocab_size", "canvas_length")):
+        raise InputError(f"model must be a loaded DiffusionGemma model (Model.from_pretrained(path)), got "
+                         f"{'None' if model is None else type(model).__name__}")
+    return model
+
+
 def check_token_ids(name: str, ids, batch_size: int, vocab_size: int) -> np.ndarray:
     """Validate a (batch, tokens) array of token ids; return it as contiguous int64.
 
     Raises ``InputError`` naming ``name`` for a non-2-D or non-integer array, a batch size other than
     ``batch_size`` (the cache's), or an id outside [0, vocab_size). Shared by every backend.
     """
-    ids = np.asarray(ids)
+    ids = as_array(name, ids)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise InputError(f"{name} must be a 2-D integer array (batch, tokens), got shape {ids.shape} "
                          f"dtype {ids.dtype}")
@@ -44,7 +76,7 @@ def check_attention_mask(attention_mask, shape: tuple[int, int]) -> np.ndarray:
     """
     if attention_mask is None:
         return np.ones(shape, dtype=bool)
-    mask = np.asarray(attention_mask)
+    mask = as_array("attention_mask", attention_mask)
     if mask.shape != tuple(shape):
         raise InputError(f"attention_mask has shape {mask.shape}, expected {tuple(shape)} like input_ids")
     if not np.isin(mask, (0, 1)).all():
@@ -134,7 +166,7 @@ def check_prompt(input_ids: Any, attention_mask: Any, vocab_size: int) -> tuple[
 
     Returns (ids int64, mask int64 or None). Raises ``InputError`` naming the problem.
     """
-    ids = np.asarray(input_ids)
+    ids = as_array("input_ids", input_ids)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
         raise InputError(f"input_ids must be a 2-D integer array (batch, tokens), got shape {ids.shape} "
                          f"dtype {ids.dtype}")
@@ -145,7 +177,7 @@ def check_prompt(input_ids: Any, attention_mask: Any, vocab_size: int) -> tuple[
         raise InputError(f"input_ids holds token id {int(bad)} outside [0, vocab_size={vocab_size})")
     if attention_mask is None:
         return ids.astype(np.int64), None
-    mask = np.asarray(attention_mask)
+    mask = as_array("attention_mask", attention_mask)
     if mask.shape != ids.shape:
         raise InputError(f"attention_mask has shape {mask.shape}, expected {ids.shape} like input_ids")
     if not np.isin(mask, (0, 1)).all():
@@ -157,7 +189,7 @@ def check_start_canvas(canvas: Any, B: int, C: int, V: int) -> np.ndarray | None
     """Validate a caller's first canvas (B, C) int ids in [0, V), or None. Raises ``InputError``."""
     if canvas is None:
         return None
-    canvas = np.asarray(canvas)
+    canvas = as_array("decoder_input_ids", canvas)
     if canvas.shape != (B, C) or not np.issubdtype(canvas.dtype, np.integer):
         raise InputError(f"decoder_input_ids must be an integer array of shape {(B, C)}, got {canvas.shape} "
                          f"{canvas.dtype}")
@@ -170,7 +202,7 @@ def check_start_sc_logits(logits: Any, B: int, C: int, V: int) -> np.ndarray | N
     """Validate a caller's first self-conditioning logits (B, C, V) float32, or None. Raises ``InputError``."""
     if logits is None:
         return None
-    logits = np.asarray(logits)
+    logits = as_array("self_conditioning_logits", logits)
     if logits.shape != (B, C, V) or logits.dtype != np.float32:
         raise InputError(f"self_conditioning_logits must be float32 of shape {(B, C, V)}, got {logits.shape} "
                          f"{logits.dtype}")
