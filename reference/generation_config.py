@@ -58,6 +58,12 @@ class GenerationConfig:
             raise ConfigError(f"t_max ({self.t_max!r}) must be greater than t_min ({self.t_min!r})")
         set_("stability_threshold", check_integer("stability_threshold", self.stability_threshold, minimum=0,
                                              optional=True))
+        if self.stability_threshold is not None and self.stability_threshold > self.max_denoising_steps:
+            # a draft can repeat over at most N steps of a canvas, so a larger s never stops early: s = N says
+            # the same, and the rule keeps s drafts (s * batch * canvas int64s), so a huge s would fill memory
+            raise ConfigError(f"stability_threshold must be at most max_denoising_steps={self.max_denoising_steps} "
+                              f"(a draft cannot repeat over more steps than a canvas has), "
+                              f"got {self.stability_threshold}")
         set_("confidence_threshold", check_real("confidence_threshold", self.confidence_threshold, positive=True,
                                            optional=True))
         set_("eos_token_id", check_token_id_list("eos_token_id", self.eos_token_id))

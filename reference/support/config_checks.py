@@ -23,10 +23,39 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+MAX_POSITIONS = 2**31 - 1  # most positions a model may declare: positions are int32 in llama.cpp and the kernels
+RMS_NORM_EPS_MAX = 0.01  # the largest rms_norm_eps accepted; released models use 1e-6 (Gemma) to 1e-5 (Llama)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_float32(name: str, value: Any, positive: bool = False) -> float:
+    """``value`` as a float, refused with ``ConfigError`` naming ``name`` unless it is a real number (not a bool)
+    that stays finite, and with ``positive`` non-zero, once rounded to float32.
+
+    Every backend computes in float32 (transformers' numerics), so a setting such as ``1e308`` that Python
+    holds as finite would become ``inf`` on the first use, and ``1e-50`` would become 0; both are refused
+    here, by name, instead of surfacing later as NaN logits or a RuntimeWarning. Used for the configuration
+    files' real-valued fields and the command line's ``--temp`` / ``--entropy-bound``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name} must be a number, got {value!r:.80}")
+    value = float(value)
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise ConfigError(f"{name} must be a finite float32 number (|value| <= {FLOAT32_MAX:.6g}), got {value!r}")
+    if positive and value > 0 and np.float32(value) == 0:
+        raise ConfigError(f"{name}={value!r} is below float32's smallest positive number and would become 0")
+    return value
+
+
 def check_model_config(config: Any, SLIDING: str, FULL: str, RopeParameters: type) -> None:
     """Raise ``ConfigError`` for the first ``ModelConfig`` field of the wrong type or range, or for fields
     that disagree (per-layer lists of the wrong length, a KV-head count that does not divide the query
-    heads, a sliding last layer, a rope setting that is not supported)."""
+    heads, a sliding last layer, a rope setting that is not supported).
+
+    Sizes are bounded before anything is allocated from them: ``max_position_embeddings`` by
+    ``MAX_POSITIONS``, ``canvas_length`` and ``sliding_window`` by ``max_position_embeddings`` (a canvas must
+    fit in the positions; a window as long as every sequence already is full attention). Real values must
+    stay finite in float32 (``check_float32``); ``rms_norm_eps`` must lie in (0, ``RMS_NORM_EPS_MAX``]."""
     LAYER_TYPES = (SLIDING, FULL)
     positive = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                 "num_hidden_layers", "num_attention_heads", "sliding_window", "num_experts",
@@ -41,6 +70,14 @@ def check_model_config(config: Any, SLIDING: str, FULL: str, RopeParameters: typ
     for name in ("rms_norm_eps", "final_logit_softcapping"):
         if not _is_real(getattr(config, name)):
             raise ConfigError(f"{name} must be a number, got {getattr(config, name)!r}")
+        check_float32(name, getattr(config, name), positive=True)
+    if config.max_position_embeddings > MAX_POSITIONS:
+        raise ConfigError(f"max_position_embeddings must be at most {MAX_POSITIONS} (int32 positions), "
+                          f"got {config.max_position_embeddings}")
+    for name in ("canvas_length", "sliding_window"):
+        if getattr(config, name) > config.max_position_embeddings:
+            raise ConfigError(f"{name} must be at most max_position_embeddings={config.max_position_embeddings}, "
+                              f"got {getattr(config, name)}")
     if not isinstance(config.hidden_activation, str):
         raise ConfigError(f"hidden_activation must be a string, got {config.hidden_activation!r}")
     n = config.num_hidden_layers
@@ -65,6 +102,7 @@ def check_model_config(config: Any, SLIDING: str, FULL: str, RopeParameters: typ
             if not _is_real(getattr(rope, field_name)):
                 raise ConfigError(f"rope_parameters[{kind!r}].{field_name} must be a number, "
                                   f"got {getattr(rope, field_name)!r}")
+            check_float32(f"rope_parameters[{kind!r}].{field_name}", getattr(rope, field_name), positive=True)
     for name in ("layer_types", "layer_head_dim", "layer_num_key_value_heads"):
         if len(getattr(config, name)) != n:
             raise ConfigError(f"{name} must have num_hidden_layers={n} entries, "
@@ -105,8 +143,9 @@ def check_model_config(config: Any, SLIDING: str, FULL: str, RopeParameters: typ
     if config.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ConfigError(f"hidden_activation {config.hidden_activation!r} is not supported "
                           "(only 'gelu_pytorch_tanh')")
-    if not config.rms_norm_eps > 0:
-        raise ConfigError(f"rms_norm_eps must be > 0, got {config.rms_norm_eps!r}")
+    if not 0 < config.rms_norm_eps <= RMS_NORM_EPS_MAX:
+        raise ConfigError(f"rms_norm_eps must be in (0, {RMS_NORM_EPS_MAX}] (released models use 1e-6 to 1e-5; "
+                          f"a larger epsilon swamps the activations' mean square), got {config.rms_norm_eps!r}")
     if not config.final_logit_softcapping > 0:
         raise ConfigError(f"final_logit_softcapping must be > 0, got {config.final_logit_softcapping!r}")
     if not 0 <= config.pad_token_id < config.vocab_size:
@@ -125,10 +164,13 @@ def check_integer(name: str, value: Any, minimum: int, optional: bool = False) -
 
 
 def check_real(name: str, value: Any, positive: bool, optional: bool = False) -> float | None:
+    """``value`` as a float: a real number finite in float32 (``check_float32``), > 0 with ``positive``, else
+    >= 0; None passes with ``optional``. Raises ``ConfigError`` naming ``name``."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    check_float32(name, value, positive=positive)
     if positive and not value > 0:
         raise ConfigError(f"{name} must be > 0, got {value!r}")
     if not positive and value < 0:

@@ -12,6 +12,11 @@ Upstream behaviours reproduced (transformers 5.24.0, ``configuration_diffusion_g
 * ``final_logit_softcapping`` is a class attribute upstream (30.0) that ``save_pretrained`` does not always
   write; absent means 30.0.
 * ``canvas_length`` lives in the top-level config (default 256).
+* ``tie_word_embeddings`` (top level and text config) defaults to true upstream; it must be absent, null
+  or ``true`` here (``false`` cannot be honoured: there is no separate output projection; any other value
+  is refused, where upstream would take its truthiness).
+* ``rope_parameters`` absent or null takes upstream's defaults; any other value must be a non-empty object
+  (``0``, ``[]`` or ``{}`` are refused rather than read as "absent").
 """
 
 from __future__ import annotations
@@ -134,11 +139,13 @@ def transformers_fields(config: Mapping[str, Any], SLIDING: str, FULL: str) -> d
         layer_head_dim.append(over.get("head_dim", head_dim))
         layer_kv.append(over.get("num_key_value_heads", n_kv))
 
-    rope_raw = text.get("rope_parameters") or {
-        SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
-    }
-    if not isinstance(rope_raw, Mapping):
+    rope_raw = text.get("rope_parameters")
+    if rope_raw is None:  # only an absent (or null) setting takes upstream's defaults; 0, [] or {} are errors
+        rope_raw = {
+            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+        }
+    if not isinstance(rope_raw, Mapping) or not rope_raw:
         raise ConfigError(f"rope_parameters must be an object (layer type -> settings), got {rope_raw!r:.80}")
     rope = {}
     for kind, params in rope_raw.items():
@@ -158,6 +165,8 @@ def transformers_fields(config: Mapping[str, Any], SLIDING: str, FULL: str) -> d
         if value is False:
             raise ConfigError(f"{where}=False is not supported: DiffusionGemma ties the output projection "
                               "and the encoder to the decoder's embedding table")
+        if value is not None and value is not True:  # JSON true/false only: "8", 1 or NaN are no answer
+            raise ConfigError(f"{where} must be true or false (DiffusionGemma needs true), got {value!r:.80}")
     if text.get("attention_bias"):
         raise ConfigError("attention_bias=True is not supported (DiffusionGemma has no biases)")
     eos = get("eos_token_id", 1)
