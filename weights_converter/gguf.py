@@ -39,7 +39,9 @@ off is named as such); a string is not UTF-8 or runs past the end; a key or tens
 tensor type or bool byte is unknown; ``general.alignment`` is not a UINT32 power of two; ``n_dims`` is outside
 1..4 or ``ne[0]`` not a whole number of blocks; a tensor offset is misaligned, outside the data section,
 overlapping another tensor, or not where llama.cpp's loader expects it (back to back in header order, each
-padded to the alignment); the padding before the data section is not zero; bytes follow the last tensor.
+padded to the alignment); the padding before the data section or after a tensor is not zero (which also
+catches a tensor relabelled to a smaller type: its unread bytes would be the padding); bytes follow the last
+tensor.
 
 Errors: ``CheckpointError`` names the file and the key or tensor (another architecture, a missing,
 unknown or misshapen tensor, an unknown or non-dequantizable type, a truncated file, a metadata key of the
@@ -62,7 +64,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from diffusiongemma.reference.config import FULL, SLIDING, ModelConfig, RopeParameters
-from diffusiongemma.reference.support.errors import CheckpointError, InputError
+from diffusiongemma.reference.support.errors import CheckpointError, ConfigError, InputError
 from diffusiongemma.reference.support.checkpoint_io import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, STORAGE_DTYPES
 from diffusiongemma.reference.support.quantized import Q8_0Tensor, widen
 from diffusiongemma.reference.weights import expected_shapes
@@ -342,11 +344,45 @@ def _walk(data, size: int, counts: tuple[int, int] | None = None) -> GGUFHeader:
         n_tensors, n_kv = counts
     fields: dict[str, GGUFField] = {}
     for i in range(n_kv):
-        field = _read_kv(cur, i, n_kv)
-        if field.name in fields:
-            raise _Problem(f"metadata key {field.name!r} appears twice (bytes {fields[field.name].offset} and "
-                           f"{field.offset})")
-        fields[field.name] = field
+        _add_kv(fields, _read_kv(cur, i, n_kv))
+    return _walk_tensors(cur, data, size, version, fields, n_tensors)
+
+
+def _add_kv(fields: dict, field: GGUFField) -> None:
+    if field.name in fields:
+        raise _Problem(f"metadata key {field.name!r} appears twice (bytes {fields[field.name].offset} and "
+                       f"{field.offset})")
+    fields[field.name] = field
+
+
+def _metadata_count(data, size: int, n_tensors: int, n_kv: int) -> int | None:
+    """The number of metadata key/value pairs after which the rest of the file parses as ``n_tensors`` tensor
+    infos and a valid data section, when that differs from the header's ``n_kv``; None when no count does.
+
+    The pairs are read one at a time (each once), and after each the tensor infos are tried from there, so a
+    count that is off by any amount is found in one pass over the metadata (only on the error path)."""
+    cur = _Bytes(data, size)
+    cur.pos = 24
+    version = struct.unpack_from("<I", data, 4)[0]
+    fields: dict[str, GGUFField] = {}
+    for k in range(n_kv + (size - 24) // 13 + 1):  # a key/value pair takes at least 13 bytes
+        if k != n_kv:
+            rest = _Bytes(data, size)
+            rest.pos = cur.pos
+            try:
+                _walk_tensors(rest, data, size, version, fields, n_tensors)
+                return k
+            except _Problem:
+                pass
+        try:
+            _add_kv(fields, _read_kv(cur, k, k + 1))
+        except (_Problem, struct.error):
+            return None
+    return None
+
+
+def _walk_tensors(cur: _Bytes, data, size: int, version: int, fields: dict, n_tensors: int) -> GGUFHeader:
+    """The tensor infos and data-section checks of ``_walk``, from ``cur`` (just after the metadata)."""
     alignment = DEFAULT_ALIGNMENT
     if "general.alignment" in fields:
         field = fields["general.alignment"]
@@ -401,6 +437,12 @@ def _walk(data, size: int, counts: tuple[int, int] | None = None) -> GGUFHeader:
         if t.offset != expected:
             raise _Problem(f"tensor {t.name!r} has data offset {t.offset}, expected {expected} (tensors follow "
                            f"one another in header order, each padded to {alignment} bytes)")
+        end = data_start + t.offset + t.n_bytes  # the tensor's bytes end here; its padding must be zero
+        padding = bytes(data[end:min(data_start + t.offset + -(-t.n_bytes // alignment) * alignment, size)])
+        if padding.strip(b"\0"):
+            raise _Problem(f"tensor {t.name!r} of type {t.tensor_type.name} and ne {t.shape} ends at byte {end}, "
+                           f"but the {len(padding)} padding bytes after it are not zero: its type or shape does "
+                           "not match the data written (a tensor relabelled to a smaller type?)")
         expected += -(-t.n_bytes // alignment) * alignment
     if tensors and size > data_start + expected:
         raise _Problem(f"the file has {size - data_start - expected} bytes after the data of its {len(tensors)} "
@@ -414,7 +456,8 @@ def read_gguf_header(path: str | os.PathLike, fd: int | None = None) -> GGUFHead
     """The checked header of the GGUF file ``path`` (no tensor data read; the file is memory-mapped).
 
     Refuses, with ``GGUFLayoutError`` naming the key or tensor: a bad magic, version or byte order; a count
-    that disagrees with the bytes (a retry with the count one off tells which); a truncated header; unknown
+    that disagrees with the bytes (a metadata count off by any amount is found and named as such, a tensor
+    count one off likewise); a truncated header; unknown
     value or tensor types; strings that are not UTF-8; duplicate keys or tensor names; a ``general.alignment``
     that is not a UINT32 power of two; ``n_dims`` outside 1..4; ``ne[0]`` not a whole number of blocks; a tensor
     offset that is misaligned, outside the data section, overlapping another tensor, or not where llama.cpp's
@@ -435,8 +478,11 @@ def read_gguf_header(path: str | os.PathLike, fd: int | None = None) -> GGUFHead
             declared = struct.unpack_from("<QQ", data, 8) if size >= 24 else None
             if declared is not None:
                 n_tensors, n_kv = declared
-                for other in ((n_tensors, n_kv - 1), (n_tensors, n_kv + 1), (n_tensors - 1, n_kv),
-                              (n_tensors + 1, n_kv)):
+                found = _metadata_count(data, size, n_tensors, n_kv)
+                if found is not None:
+                    raise GGUFLayoutError(f"{path}: the header's metadata key/value count is {n_kv}, but the file "
+                                          f"holds {found} metadata key/value entries (with {n_kv}: {problem})") from None
+                for other in ((n_tensors - 1, n_kv), (n_tensors + 1, n_kv)):
                     if min(other) < 0:
                         continue
                     try:
@@ -494,7 +540,11 @@ class GGUFCheckpoint:
         if arch != ARCHITECTURE:
             raise CheckpointError(f"{path}: general.architecture is {arch!r}, expected {ARCHITECTURE!r} "
                                   "(a DiffusionGemma GGUF from llama.cpp's converter)")
-        checkpoint.config = _read_config(checkpoint)
+        try:
+            checkpoint.config = _read_config(checkpoint)
+        except ConfigError as exc:  # ModelConfig's checks name its field; say which file and key it came from
+            key = _CONFIG_KEYS.get(str(exc).split(" ", 1)[0])
+            raise ConfigError(f"{path}: {exc}" + (f" (metadata key {key!r})" if key else "")) from None
         return checkpoint
 
     # ------------------------------------------------------------------------------------- metadata
@@ -618,6 +668,19 @@ def _pread(fd: int, count: int, offset: int) -> np.ndarray:
 
 
 # ================================================================================================ config
+_CONFIG_KEYS = {  # ModelConfig field -> the GGUF metadata key it is read from (for messages)
+    "canvas_length": "diffusion.canvas_length",
+    "sliding_window": f"{ARCHITECTURE}.attention.sliding_window",
+    "max_position_embeddings": f"{ARCHITECTURE}.context_length",
+    "rms_norm_eps": f"{ARCHITECTURE}.attention.layer_norm_rms_epsilon",
+    "final_logit_softcapping": f"{ARCHITECTURE}.final_logit_softcapping",
+    "num_experts": f"{ARCHITECTURE}.expert_count",
+    "top_k_experts": f"{ARCHITECTURE}.expert_used_count",
+    "moe_intermediate_size": f"{ARCHITECTURE}.expert_feed_forward_length",
+    "intermediate_size": f"{ARCHITECTURE}.feed_forward_length",
+}
+
+
 def _per_layer(checkpoint: GGUFCheckpoint, key: str, n_layers: int) -> list[int]:
     """An integer key stored once or per layer, as a per-layer list."""
     value = checkpoint.integer(key, array=True)
@@ -891,9 +954,9 @@ def build_tokenizer(checkpoint: GGUFCheckpoint):
     * ``llama`` without merges: a SentencePiece unigram model from ``tokenizer.ggml.scores``.
     Tokens of type CONTROL (3) or UNKNOWN (2) become special added tokens, USER_DEFINED (4) plain added tokens.
     ``tokenizer.ggml.add_bos_token`` (default true for gemma4) prepends BOS when encoding with special tokens.
+    Raises ``CheckpointError`` naming the file and "vocabulary" when the tokenizers library cannot build it
+    (e.g. a merge whose parts are not tokens: one flipped bit in a token string).
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-
     path = checkpoint.path
     kind = checkpoint.string("tokenizer.ggml.model")
     tokens = checkpoint.array("tokenizer.ggml.tokens", "string")
@@ -907,6 +970,20 @@ def build_tokenizer(checkpoint: GGUFCheckpoint):
         if cut < 0:
             raise CheckpointError(f"{path}: metadata key 'tokenizer.ggml.merges' holds {merge!r}, not 'left right'")
         merges.append((merge[:cut], merge[cut + 1:]))
+    try:
+        return _build_tokenizer(checkpoint, kind, tokens, types, merges)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # the tokenizers library raises a bare Exception for a vocabulary it cannot build
+        raise CheckpointError(f"{path}: the tokenizer vocabulary (metadata keys 'tokenizer.ggml.tokens' / "
+                              f"'tokenizer.ggml.merges') is damaged: {str(exc).splitlines()[0][:200]}") from None
+
+
+def _build_tokenizer(checkpoint: GGUFCheckpoint, kind: str, tokens: list, types: list, merges: list):
+    """``build_tokenizer``'s work once the metadata is read; the tokenizers library may raise anything."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    path = checkpoint.path
     vocab = {token: i for i, token in enumerate(tokens)}  # a repeated string keeps its last id, as llama.cpp
     unk_id = checkpoint.integer("tokenizer.ggml.unknown_token_id", None)
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
