@@ -368,7 +368,13 @@ class Model:
                   "post_ffn_norm": "post_feedforward_layernorm", "encoder_scalar": "encoder_layer_scalar",
                   "decoder_scalar": "decoder_layer_scalar"}
         out.update({p + "mlp.gate_proj": w.mlp_gate_up[:I], p + "mlp.up_proj": w.mlp_gate_up[I:]})
-        out.update({p + name: np.asarray(getattr(w, field)) for field, name in fields.items()})
+        out.update({p + name: np.asarray(getattr(w, field)) for field, name in fields.items()
+                    if getattr(w, field) is not None})
+        if w.experts is not None:  # the panel layout: Q8_0 values are int8 (finite), their scales may not be
+            panels = w.experts
+            q8 = getattr(panels, "gate_up_scales", None) is not None
+            out[p + "experts.gate_up_proj"] = panels.gate_up_scales if q8 else panels.gate_up
+            out[p + "experts.down_proj"] = panels.down_scales if q8 else panels.down
         return out
 
     # ------------------------------------------------------------------ shared block

@@ -11,6 +11,7 @@ from typing import Mapping
 import numpy as np
 
 from .errors import NonFiniteError
+from .quantized import Q8_0Tensor
 
 
 def first_non_finite(array: np.ndarray) -> str:
@@ -29,12 +30,17 @@ def non_finite_error(stage: str, where: str, array: np.ndarray, weights: Mapping
     is looked for in what that computation read: ``inputs`` first (name -> array, e.g. the cache's keys of
     that layer), then ``weights`` (project tensor name -> array; weights are checked when a model is built,
     so a non-finite one was changed afterwards). When all are finite, float32 overflowed there. Shared by
-    every backend, so that the same fault gives the same message.
+    every backend, so that the same fault gives the same message. A ``Q8_0Tensor`` is judged by its
+    scales; integer arrays (quantized values) are finite by construction and skipped.
     """
     cause = None
     for kind, items in (("input", inputs), ("weight", weights)):
         for name, value in items.items():
+            if isinstance(value, Q8_0Tensor):  # int8 values are finite; the scales may not be
+                value = value.scales
             value = np.asarray(value)
+            if value.dtype.kind not in "fc":  # integers (quantized values) are finite; anything else is no weight
+                continue
             if value.size and not np.isfinite(value).all():
                 bad = value.reshape(-1)[~np.isfinite(value.reshape(-1))][0]
                 cause = f"{kind} {name!r} holds {'NaN' if bad != bad else float(bad)}"
