@@ -229,27 +229,48 @@ def sim_device():
     return _SIM["device"]
 
 
-def gpu_draws(z: np.ndarray, temp, u: np.ndarray, device=None) -> tuple[np.ndarray, np.ndarray]:
-    """As ``cpu_draws`` for ``dg_sample_rows`` on cuda-sim (one launch row per uniform, all reading copies
-    of z; no soft-cap)."""
+#: Most elements of one launch's (rows x V) buffer in ``gpu_draws`` (16 MiB of float32): a test on a GPU draws
+#: any number of uniforms on a large vocabulary in launches of at most this size, never one (uniforms x V)
+#: broadcast (V = 262,144 and ~10^5 edge uniforms would be ~10^11 bytes on the host and on the device).
+GPU_CHUNK_ELEMENTS = 1 << 22
+
+
+def gpu_draws(z: np.ndarray, temp, u: np.ndarray, device=None,
+              chunk_elements: int = GPU_CHUNK_ELEMENTS) -> tuple[np.ndarray, np.ndarray]:
+    """As ``cpu_draws`` for ``dg_sample_rows`` on cuda-sim, or on ``device``: one launch row per uniform, all
+    reading copies of z (no soft-cap), in launches of at most ``chunk_elements`` logits. The row is uploaded
+    once and copied on the device; that every row of each launch got the same probabilities is checked on
+    the device, and only the first row's probabilities and the draws come back."""
     from diffusiongemma.fast.gpu import launch as gl
 
     device = device or sim_device()
-    R, V = len(u), z.shape[1]
-    buf = device.to_device(np.ascontiguousarray(np.broadcast_to(z, (R, V)), dtype=np.float32))
-    argmax, sampled = device.zeros(R, np.int64), device.zeros(R, np.int64)
-    entropy, flags = device.zeros(R, np.float32), device.zeros(R, np.int32)
-    device.launch(gl.sample_rows(buf, device.to_device(np.arange(R, dtype=np.int32)), 0.0,
-                                 0.0 if temp is None else float(np.float32(temp)), device.to_device(u), argmax,
-                                 entropy, sampled, flags))
-    probs = device.to_host(buf)
-    assert (device.to_host(flags) == 0).all()
-    assert (probs == probs[:1]).all(), "the kernel wrote different probabilities for copies of one row"
-    return probs[0], device.to_host(sampled)
+    xp = device.xp
+    V = z.shape[1]
+    u = np.asarray(u, dtype=np.float64)
+    rows_per_launch = max(1, min(len(u), chunk_elements // V))
+    row = device.to_device(np.ascontiguousarray(z, dtype=np.float32))  # (1, V)
+    buf = device.empty((rows_per_launch, V), np.float32)
+    index = device.to_device(np.arange(rows_per_launch, dtype=np.int32))
+    argmax, sampled = device.zeros(rows_per_launch, np.int64), device.zeros(rows_per_launch, np.int64)
+    entropy, flags = device.zeros(rows_per_launch, np.float32), device.zeros(rows_per_launch, np.int32)
+    draws, first = np.empty(len(u), dtype=np.int64), None
+    for start in range(0, len(u), rows_per_launch):
+        n = min(rows_per_launch, len(u) - start)
+        buf[:n] = row
+        device.launch(gl.sample_rows(buf[:n], index[:n], 0.0, 0.0 if temp is None else float(np.float32(temp)),
+                                     device.to_device(u[start:start + n]), argmax[:n], entropy[:n], sampled[:n],
+                                     flags[:n]))
+        ok = xp.logical_and(xp.all(flags[:n] == 0), xp.all(buf[:n] == buf[:1]))
+        assert bool(device.to_host(ok)), "a flagged row, or different probabilities for copies of one row"
+        if first is None:
+            first = device.to_host(buf[0])
+        draws[start:start + n] = device.to_host(sampled[:n])
+    return first, draws
 
 
 def assert_reference_draws(probs: np.ndarray, u: np.ndarray, got: np.ndarray, what: str) -> None:
-    expected = categorical_from_uniform(np.broadcast_to(probs, (len(u), len(probs))), u)
+    """The reference's draw for each uniform on one row (its (1, S) form: the row's CDF is formed once)."""
+    expected = categorical_from_uniform(probs[None], np.asarray(u, dtype=np.float64)[None])[0]
     bad = np.flatnonzero(got != expected)
     assert bad.size == 0, (f"{what}: {bad.size} of {len(u)} edge draws differ from the reference, e.g. u={u[bad[0]]!r} "
                            f"-> {int(got[bad[0]])} (p={float(probs[got[bad[0]]])!r}), reference "
@@ -300,17 +321,52 @@ def test_large_vocabulary_edges(kind):
     assert_reference_draws(gprobs, u[:8], got, f"cuda-sim {kind} V={V}")
 
 
-def _real_gpu_draws(kind):
-    """On a GPU (``-m gpu``, benchmarks/gpu_check.sh): every strategy on each row kind, V = 4097 and 262,144."""
-    from diffusiongemma.fast.gpu.device import CupyDevice
+#: What one real-GPU edge test may hold at once: device bytes (``CountingDevice`` limit) and host bytes
+#: (tracemalloc peak). Checked on the CPU by ``test_the_real_gpu_edge_test_fits_in_a_few_megabytes``.
+REAL_GPU_DEVICE_LIMIT = 64 * 2**20
+REAL_GPU_HOST_LIMIT = 512 * 2**20
 
-    device = CupyDevice("cuda")
+
+def _real_gpu_draws(kind, device=None, take=None):
+    """On a GPU (``-m gpu``, benchmarks/gpu_check.sh): every strategy on each row kind, V = 4097 and 262,144,
+    every edge uniform (~10^5 at V = 262,144: launches of at most ``GPU_CHUNK_ELEMENTS`` logits, seconds in
+    all). ``device``/``take``: the CPU check of its sizes runs the same code on cuda-sim with ``take`` of the
+    uniforms (a seeded choice)."""
+    if device is None:
+        from diffusiongemma.fast.gpu.device import CupyDevice
+
+        device = CupyDevice("cuda")
     for V in (4097, 262144):
         z = build_logits(kind, V, 7)
         probs, _ = gpu_draws(z, 1.0, np.array([0.5]), device)
         u = np.concatenate([edge_uniforms(s, probs, 7) for s in STRATEGIES])
+        if take is not None:
+            u = np.random.default_rng(V).choice(u, min(take, len(u)), replace=False)
         probs, got = gpu_draws(z, 1.0, u, device)
-        assert_reference_draws(probs, u, got, f"GPU {kind} V={V}")
+        assert_reference_draws(probs, u, got, f"{getattr(device, 'name', 'GPU')} {kind} V={V}")
+
+
+def test_the_real_gpu_edge_test_fits_in_a_few_megabytes():
+    """The GPU-only test above, run on cuda-sim with an allocation-limited device and traced host memory:
+    its device arrays and host arrays stay bounded whatever the number of uniforms (the broadcast it used to
+    make needed ~120 GB on each side at V = 262,144). Twice the uniforms must not need more memory."""
+    import tracemalloc
+
+    from diffusiongemma.fast.gpu.counting import CountingDevice
+
+    peaks = []
+    for take in (16, 48):
+        device = CountingDevice(sim_device(), limit_bytes=REAL_GPU_DEVICE_LIMIT)
+        tracemalloc.start()
+        try:
+            _real_gpu_draws("tiny_masses", device, take=take)
+            host_peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert host_peak < REAL_GPU_HOST_LIMIT, f"{host_peak / 2**20:.0f} MiB of host memory at once"
+        peaks.append(device.peak_live_bytes)
+    assert 0 < peaks[0] <= REAL_GPU_DEVICE_LIMIT
+    assert peaks[1] == peaks[0], f"device memory grows with the number of uniforms: {peaks}"
 
 
 GPU_OK, GPU_REASON = gpu_available()

@@ -1,0 +1,65 @@
+"""benchmarks/gpu_check.sh fits in its 6 minutes: every stage is time-boxed, the limits add up to the budget,
+and a stage that hangs is cut off by the script's own deadline (run here with a stand-in Python that hangs).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_check.sh")
+LIMIT_S = 6 * 60
+
+
+def script_lines() -> list[str]:
+    with open(SCRIPT) as f:
+        return f.read().splitlines()
+
+
+def test_the_stage_limits_add_up_to_at_most_six_minutes():
+    text = "\n".join(script_lines())
+    limits = [int(n) for n in re.findall(r"\bstage [a-z_]+ (\d+) ", text)]
+    budget = int(re.search(r'BUDGET="\$\{DG_CHECK_BUDGET:-(\d+)\}"', text).group(1))
+    assert len(limits) >= 7, limits
+    assert sum(limits) <= budget <= LIMIT_S - 10, (limits, budget)
+
+
+def test_every_python_command_is_time_boxed():
+    """Each line that starts Python runs under ``stage`` (which applies ``timeout``) or ``timeout`` itself,
+    or inside the ``environment`` function, which runs as a stage."""
+    lines, inside_function, loose = script_lines(), False, []
+    for i, line in enumerate(lines):
+        code = line.split("#", 1)[0] if not line.lstrip().startswith("#") else ""
+        if re.match(r"^\w+\(\) \{", code):
+            inside_function = True
+        elif code.startswith("}"):
+            inside_function = False
+        if '"$PY"' not in code or inside_function or "print(" in code and i and lines[i - 1].rstrip().endswith("<<'PYEOF'"):
+            continue
+        continued = i > 0 and lines[i - 1].rstrip().endswith("\\")
+        if not (re.search(r"\bstage \w+ \d+ ", code) or re.search(r"\btimeout\b", code) or continued):
+            loose.append(line)
+    assert not loose, f"commands without a time limit: {loose}"
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/timeout") and not os.path.exists("/bin/timeout"),
+                    reason="coreutils timeout is not installed")
+def test_a_hanging_stage_cannot_take_the_run_past_its_budget(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nsleep 60\n")
+    fake.chmod(0o755)
+    results = tmp_path / "results"
+    env = dict(os.environ, PYTHON=str(fake), DG_CHECK_BUDGET="8", DG_SKIP_BUILD="1", PATH=os.environ["PATH"])
+    start = time.monotonic()
+    subprocess.run(["bash", SCRIPT, str(results)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   timeout=120)
+    elapsed = time.monotonic() - start
+    summary = (results / "summary.txt").read_text()
+    assert elapsed < 8 + 30, f"the run took {elapsed:.0f} s on an 8 s budget:\n{summary}"
+    assert "skipped" in summary and "exit 124" in summary, summary
+    assert set(os.listdir(results)) <= {"summary.txt", "environment.txt", "compile.txt", "build.log",
+                                        "gpu_tests.log", "bench_gpu.md", "bench.log"}, os.listdir(results)
