@@ -164,7 +164,9 @@ class TextSide:
 
     def apply_chat_template(self, user_text: str) -> str:
         """Render one user turn plus the generation prompt with the checkpoint's Jinja template
-        (sandboxed, like transformers)."""
+        (sandboxed, like transformers). Raises ``CheckpointError`` ("the checkpoint's chat template failed to
+        render: ...") for a template that does not parse or fails while rendering (``raise_exception``, the
+        sandbox's limits such as a ``range`` over 100,000 items, a bad operation)."""
         if self.chat_template is None:
             raise CheckpointError("--chat was given but this checkpoint has no chat template "
                                   "(chat_template.jinja or tokenizer_config.json 'chat_template')")
@@ -180,8 +182,13 @@ class TextSide:
             template = env.from_string(self.chat_template)
             return template.render(messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except TemplateError as exc:
-            raise CheckpointError(f"the checkpoint's chat template failed to render: {exc}") from exc
+        except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError,
+                MemoryError) as exc:
+            # a template is a program: the sandbox refuses a huge range() with OverflowError, a bad filter
+            # argument is a TypeError...; each is the template's fault, said in one line
+            detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            raise CheckpointError(f"the checkpoint's chat template failed to render: {detail} "
+                                  f"({type(exc).__name__})") from None
 
 
 def load_text_side(path: str) -> TextSide:

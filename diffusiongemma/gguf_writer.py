@@ -40,14 +40,22 @@ tensors; a Q8_0 matrix whose rows are not whole 32-element blocks falls back to 
 Errors: ``InputError`` for a bad ``gguf_type`` or destination (exists without ``force``, not ``.gguf``),
 ``CheckpointError`` for a source without a tokenizer llama.cpp can read, or a model the format cannot hold
 (more than two end ids, a RoPE llama.cpp does not implement). The file is written to a temporary name
-beside ``dst`` and renamed, so a failure leaves no partial file.
+beside ``dst`` (``.<name>.partial-<host>-<pid>-<start>-XXXX.gguf``) and renamed, so a failure leaves no
+partial file, and one that a SIGKILL left is removed by the next export to ``dst`` once its writer is gone. The
+file gets the mode the umask gives (0644 under 022). A full disk raises ``WriteError`` ("No space left on
+device", naming ``dst``). Without ``force`` a second export to the same new path is refused (``InputError``)
+while the first runs, and the final rename never replaces a file that appeared meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +65,8 @@ from diffusiongemma.reference import InputError
 from diffusiongemma.reference.config import FULL, SLIDING, ModelConfig
 
 from diffusiongemma.weights_converter.gguf import ARCHITECTURE, ROPE_FREQS, gguf_name
+
+_LEGACY_PARTIAL = re.compile(r"^\.partial-[A-Za-z0-9_]{8}\.gguf$")  # earlier versions' unowned partial files
 
 __all__ = ["GGUF_TYPES", "GGUFSummary", "write_gguf", "write_model_gguf", "PASS_THROUGH_TEMPLATE"]
 
@@ -313,6 +323,96 @@ def _check_request(dst, gguf_type: str, force: bool) -> str:
     return dst
 
 
+def _begin_export(dst: str, force: bool) -> str:
+    """The hidden file ``.<name>.partial-<host>-<pid>-<start>-XXXX.gguf`` beside ``dst`` to write into.
+
+    First removes what exports to ``dst`` killed before they could clean up left behind (their writer no
+    longer runs: ``writer.cleanup_stale``) and unowned ``.partial-*.gguf`` files of earlier versions untouched
+    for a day. Without ``force``, refuses with ``InputError`` while another live process is exporting to
+    ``dst`` (its partial file names it), so that two exports to one new path cannot both succeed.
+    """
+    from diffusiongemma.weights_converter import writer
+
+    parent, base = os.path.dirname(dst), os.path.basename(dst)
+    writer.cleanup_stale(dst)
+    now = time.time()
+    for entry in os.listdir(parent):
+        path = os.path.join(parent, entry)
+        if _LEGACY_PARTIAL.match(entry) and os.path.isfile(path) and not os.path.islink(path):
+            with contextlib.suppress(OSError):
+                if now - os.lstat(path).st_mtime > writer.STALE_AFTER_S:
+                    os.unlink(path)
+    if not force:
+        prefix = f".{base}.partial-"
+        for entry in os.listdir(parent):
+            if entry.startswith(prefix):
+                raise InputError(f"{dst!r} is being written by another export (its partial file {entry!r} "
+                                 "belongs to a process that still runs); wait for it, or pass --force")
+    fd, tmp = tempfile.mkstemp(prefix=writer._hidden_name(dst, "partial"), suffix=".gguf", dir=parent)
+    os.close(fd)
+    return tmp
+
+
+def _finish_file(path: str) -> None:
+    """Give ``path`` the mode a plain ``open`` would have (``mkstemp`` makes it 0600) and flush it to disk."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _export_write_error(dst: str, tmp: str, exc: OSError) -> OSError:
+    """``writer.WriteError`` naming ``dst`` and the system's reason. numpy's ``tofile`` reports a short write as
+    ``OSError("N requested and M written")`` without an errno; one more byte written to the file gives the
+    reason (ENOSPC on a full disk, EFBIG over a file-size limit)."""
+    from diffusiongemma.weights_converter import writer
+
+    if getattr(exc, "errno", None) is None:
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_APPEND)
+            try:
+                os.write(fd, b"\0")
+            finally:
+                os.close(fd)
+        except OSError as probe:
+            if probe.errno is not None:
+                exc = probe
+    if getattr(exc, "errno", None) is None:
+        exc = OSError(errno.EIO, str(exc))
+    return writer.write_error(dst, exc)
+
+
+def _commit(tmp: str, dst: str, force: bool) -> None:
+    """Put the finished ``tmp`` in place as ``dst``: replacing it with ``force``, else only if ``dst`` is still
+    absent (one atomic step; an export that finished first keeps its file and this one is refused)."""
+    if force:
+        os.replace(tmp, dst)
+        return
+    try:
+        os.link(tmp, dst)  # fails with EEXIST instead of replacing
+    except FileExistsError:
+        raise InputError(f"{dst!r} already exists (written meanwhile by another process?); pass --force to "
+                         "replace it") from None
+    except OSError:  # a file system without hard links
+        from diffusiongemma.weights_converter.writer import _RENAME_NOREPLACE, _renameat2
+
+        try:
+            if _renameat2(tmp, dst, _RENAME_NOREPLACE):
+                return
+        except FileExistsError:
+            raise InputError(f"{dst!r} already exists (written meanwhile by another process?); pass --force "
+                             "to replace it") from None
+        if os.path.exists(dst):
+            raise InputError(f"{dst!r} already exists; pass --force to replace it") from None
+        os.rename(tmp, dst)
+        return
+    os.unlink(tmp)
+
+
 def write_model_gguf(model: Any, text_source: str | os.PathLike, dst: str | os.PathLike, gguf_type: str = "f32", *,
                      force: bool = False, name: str = "diffusiongemma") -> GGUFSummary:
     """Write ``model`` (a reference ``Model``: its config and float32 tensors) as the GGUF file ``dst``, with
@@ -324,8 +424,7 @@ def write_model_gguf(model: Any, text_source: str | os.PathLike, dst: str | os.P
     text_source = os.fspath(text_source)
     config = model.config
     notes: list[str] = []
-    fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=".gguf", dir=os.path.dirname(dst))
-    os.close(fd)
+    tmp = _begin_export(dst, force)
     counts: dict[str, int] = {}
     try:
         w = gguf.GGUFWriter(tmp, _A)
@@ -343,11 +442,15 @@ def write_model_gguf(model: Any, text_source: str | os.PathLike, dst: str | os.P
             qtype = _storage_type(gguf, gname, array, gguf_type)
             w.add_tensor(gname, _encode(gguf, array, qtype), raw_dtype=qtype)
             counts[qtype.name] = counts.get(qtype.name, 0) + 1
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, dst)
+        try:
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+            _finish_file(tmp)
+        except OSError as exc:
+            raise _export_write_error(dst, tmp, exc) from None
+        _commit(tmp, dst, force)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

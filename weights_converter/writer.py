@@ -322,7 +322,8 @@ def cleanup_stale(dst: str | os.PathLike, stale_after: float = STALE_AFTER_S) ->
     """Remove (or put back) what interrupted conversions to ``dst`` left in its parent directory.
 
     Candidates are only hidden siblings named by ``atomic_directory``: ``.<name>.partial-<host>-<pid>-
-    <start>-*`` (a directory being built, or an old checkpoint being deleted after a swap) and
+    <start>-*`` (a directory being built, or an old checkpoint being deleted after a swap; or a file, a
+    GGUF export's output being written by ``diffusiongemma.gguf_writer``) and
     ``.<name>.replaced-...`` (an old checkpoint moved aside by the two-rename fallback), plus the
     ``.<name>.partial-XXXXXXXX[.replaced]`` directories of earlier versions. One is touched only if its
     writer is certainly gone: same machine and that process (pid and start time) no longer runs, or
@@ -343,8 +344,8 @@ def cleanup_stale(dst: str | os.PathLike, stale_after: float = STALE_AFTER_S) ->
     for entry in entries:
         path = os.path.join(parent, entry)
         match, old_style = owned.match(entry), legacy.match(entry)
-        if not (match or old_style) or os.path.islink(path) or not os.path.isdir(path):
-            continue
+        if not (match or old_style) or os.path.islink(path) or not (os.path.isdir(path) or os.path.isfile(path)):
+            continue  # a partial is a directory (a conversion) or a file (a GGUF export)
         try:
             old = now - _newest_mtime(path) > stale_after
         except OSError:
@@ -356,12 +357,25 @@ def cleanup_stale(dst: str | os.PathLike, stale_after: float = STALE_AFTER_S) ->
         try:
             if replaced and not os.path.lexists(dst) and os.path.isfile(os.path.join(path, INDEX_FILE)):
                 os.rename(path, dst)  # an interrupted fallback replace: the old checkpoint goes back
+            elif os.path.isdir(path):
+                remove_checkpoint_directory(path)
             else:
-                shutil.rmtree(path)
+                os.unlink(path)
         except OSError:
             continue
         handled.append(path)
     return handled
+
+
+def remove_checkpoint_directory(path: str) -> None:
+    """Delete a checkpoint directory index first, so that a reader still inside it (through a handle opened
+    before a replace) finds ``INDEX_FILE`` gone and knows that a replace is in progress
+    (``checkpoint_io.CheckpointChanged``), whichever weight file it misses; errors are ignored."""
+    try:
+        os.unlink(os.path.join(path, INDEX_FILE))
+    except OSError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -400,7 +414,7 @@ def atomic_directory(dst: str | os.PathLike, force: bool = False) -> Iterator[st
         if os.path.lexists(dst):
             if _swap(tmp, dst):  # tmp now holds the old checkpoint
                 _fsync_dir(parent)
-                shutil.rmtree(tmp, ignore_errors=True)
+                remove_checkpoint_directory(tmp)
             else:
                 old = tempfile.mkdtemp(prefix=_hidden_name(dst, "replaced"), dir=parent)
                 os.rename(dst, old)  # replaces the empty placeholder directory
@@ -410,7 +424,7 @@ def atomic_directory(dst: str | os.PathLike, force: bool = False) -> Iterator[st
                     os.rename(old, dst)
                     raise
                 _fsync_dir(parent)
-                shutil.rmtree(old, ignore_errors=True)
+                remove_checkpoint_directory(old)
         else:
             if not _renameat2(tmp, dst, _RENAME_NOREPLACE):
                 os.rename(tmp, dst)

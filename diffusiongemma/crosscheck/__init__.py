@@ -209,7 +209,8 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
                workdir: str | None = None) -> Report:
     """Run ``peer`` and the reference side by side; return the ``Report`` (see the module notes).
 
-    model_dir: a transformers-layout checkpoint directory; None builds the tiny random one. seed: seeds the
+    model_dir: a transformers-layout checkpoint directory (or its ``config.json``, which stands for the
+    directory); None builds the tiny random one. seed: seeds the
     inputs and the peer's random stream. canvases: canvases generated per configuration.
     Raises ``PeerUnavailable`` when the peer is missing or cannot load the model, ``ValueError`` for an
     unknown peer, ``CheckpointError`` / ``ConfigError`` for a bad checkpoint.
@@ -224,7 +225,13 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
 
             model_dir, label = write_tiny_checkpoint(os.path.join(tmp, "tiny")), TINY_MODEL
         else:
-            model_dir, label = os.fspath(model_dir), os.fspath(model_dir)
+            model_dir = os.fspath(model_dir)
+            if os.path.isfile(model_dir) and os.path.basename(model_dir) == "config.json":
+                model_dir = os.path.dirname(os.path.abspath(model_dir))  # the checkpoint that file belongs to
+            elif os.path.isfile(model_dir):
+                raise PeerUnavailable(f"{model_dir!r} is a file; the peers need a transformers-layout checkpoint "
+                                      "directory (the one holding config.json)")
+            label = model_dir
             if not os.path.isfile(os.path.join(model_dir, "config.json")):
                 raise PeerUnavailable(f"{model_dir!r} is not a transformers-layout checkpoint (no config.json); "
                                       "the peers read only that layout")

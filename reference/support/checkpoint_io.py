@@ -109,6 +109,10 @@ def read_index(path: str | os.PathLike, name: str | os.PathLike | None = None) -
         with open(os.path.join(path if name is None else name, INDEX_FILE), encoding="utf-8") as f:
             index = json.load(f)
     except FileNotFoundError:
+        if name is not None and os.fspath(name) != os.fspath(path) and os.path.isfile(index_path):
+            # read through a handle of a directory that a replace has since moved aside and is deleting
+            raise CheckpointChanged(f"{path}: a replace is in progress (the checkpoint was replaced while it was "
+                                    "being read); read it again") from None
         raise CheckpointError(f"{path}: not a converted diffusiongemma checkpoint ({INDEX_FILE} is missing)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{index_path}: not valid UTF-8 JSON ({exc})") from exc
@@ -213,8 +217,8 @@ def _read_weight_files(path: str, base: str, index: dict, config: ModelConfig) -
         file_path = os.path.join(path, filename)
         if not os.path.isfile(os.path.join(base, filename)):
             if not os.path.isfile(os.path.join(base, INDEX_FILE)):
-                raise CheckpointChanged(f"{path}: the checkpoint was replaced while it was being read "
-                                        f"({filename} vanished); read it again")
+                raise CheckpointChanged(f"{path}: a replace is in progress (the checkpoint was replaced while it "
+                                        f"was being read: {filename} vanished); read it again")
             raise CheckpointError(f"{path}: weight file {filename!r} listed in {INDEX_FILE} is missing")
         try:
             with safe_open(os.path.join(base, filename), framework="numpy") as f:
@@ -239,8 +243,8 @@ def _read_weight_files(path: str, base: str, index: dict, config: ModelConfig) -
                     tensors[name] = to_float32(f.get_tensor(name), name)
         except (SafetensorError, OSError) as exc:
             if not os.path.isfile(os.path.join(base, INDEX_FILE)):  # the directory went away under us
-                raise CheckpointChanged(f"{path}: the checkpoint was replaced while it was being read "
-                                        f"({filename} vanished); read it again") from exc
+                raise CheckpointChanged(f"{path}: a replace is in progress (the checkpoint was replaced while it "
+                                        f"was being read: {filename} vanished); read it again") from exc
             raise CheckpointError(f"{file_path}: unreadable safetensors file ({exc})") from exc
     check_tensors(tensors, config)
     return tensors
