@@ -10,6 +10,7 @@ Read it top to bottom, as one canvas travels (docs/SPEC.md is the map and the ma
     layers             attention, dense MLP, router and experts of one block            §4
     model              the causal encoder (prefill) and the bidirectional decoder       §6, §7
     sampling           the stages of one denoising step, as functions                   §8.6-§8.8
+    step               one denoising step on one screen, no hooks (the reading path)     §0.9, §8.2
     draws              the random-draw contract                                         §8.3
     generation_config  ``GenerationConfig``                                             §2.2
     stages             the loop's stages as objects, and ``Semantics`` (one per stage)  §8.6, §11

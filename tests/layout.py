@@ -1,4 +1,4 @@
-"""Static facts about the source tree, for tests/test_layout.py and the table of docs/SPEC.md §0.
+"""Static facts about the source tree, for tests/test_layout.py and the file table of docs/SPEC.md (before SPEC §1).
 
     project_imports()   {module: {imported project modules}}, function-local imports included
     cycles(graph)        the import cycles of a graph (strongly connected components of 2+ modules, or a
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"reference": "diffusiongemma.reference", "fast": "diffusiongemma.fast",
             "weights_converter": "diffusiongemma.weights_converter", "diffusiongemma": "diffusiongemma"}
 SPEC_FILES = ("config.py", "weights.py", "primitives.py", "masks.py", "cache.py", "layers.py", "model.py",
-              "sampling.py", "draws.py", "generation_config.py", "stages.py", "generate.py", "noising.py")
+              "sampling.py", "step.py", "draws.py", "generation_config.py", "stages.py", "generate.py", "noising.py")
 
 
 def module_name(path: Path) -> str:

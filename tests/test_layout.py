@@ -1,10 +1,10 @@
-"""The layout the README and docs/SPEC.md §0 describe, held against the tree.
+"""The layout the README and docs/SPEC.md's file table describe, held against the tree.
 
 * no import cycle anywhere in the project, function-local imports included;
 * imports follow the stated direction (reference <- fast <- fast/gpu; reference <- weights_converter; the
   package root on top; inside the reference, no specification file or rail imports a variant);
-* SPEC §0's table lists every specification file with its size and semantic share (>= 90 %), as measured;
-* the § pointers of ``reference/__init__.py`` name the sections SPEC §0 gives for those files, and those
+* the SPEC's file table lists every specification file with its size and semantic share (>= 90 %), as measured;
+* the § pointers of ``reference/__init__.py`` name the sections the SPEC's file table gives for those files, and those
   sections exist under the titles the table gives;
 * importing ``reference`` bare from the repository root is refused, naming ``diffusiongemma.reference``.
 """
@@ -67,7 +67,7 @@ def test_imports_follow_the_stated_direction():
 
 
 def _spec_table() -> dict[str, tuple[int, int, str, str]]:
-    """SPEC §0's file table: file -> (lines, semantic share %, section, section title)."""
+    """The SPEC's file table: file -> (lines, semantic share %, section, section title)."""
     rows = re.findall(r"^\| `reference/([a-z_]+\.py)` \| (\d+) \| (\d+) % \| §([\d.]+) ([^|]+?) \|", SPEC, re.M)
     return {name: (int(lines), int(share), section, title.strip()) for name, lines, share, section, title in rows}
 
@@ -87,7 +87,7 @@ def test_section_pointers_name_their_sections():
     headings = dict(re.findall(r"^#{2,3} (\d+(?:\.\d+)*)\.? (.+)$", SPEC, re.M))
     table = _spec_table()
     for name, (_, _, section, title) in table.items():
-        assert section in headings, f"SPEC §0 points reference/{name} at §{section}, which is not a section"
+        assert section in headings, f"the SPEC's file table points reference/{name} at §{section}, which is not a section"
         assert headings[section].strip().lower() == title.lower(), (name, section, headings[section], title)
     init = (ROOT / "reference" / "__init__.py").read_text(encoding="utf-8")
     for name, (_, _, section, _) in table.items():
