@@ -143,7 +143,12 @@ def load_generation_config(path: str):
     if os.path.isfile(path):  # a GGUF file
         from diffusiongemma.weights_converter.gguf import gguf_generation_config
 
-        return GenerationConfig.from_dict(gguf_generation_config(path))
+        from diffusiongemma.reference.support.errors import ConfigError
+
+        try:
+            return GenerationConfig.from_dict(gguf_generation_config(path))
+        except ConfigError as exc:  # the diffusion.eb_* keys carry the generation config's field names
+            raise ConfigError(f"{path}: {exc} (GGUF metadata diffusion.eb_*)") from None
     return GenerationConfig.from_pretrained(path)
 
 

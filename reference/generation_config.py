@@ -99,9 +99,15 @@ class GenerationConfig:
     def from_pretrained(cls, path: str | os.PathLike) -> "GenerationConfig":
         """Read ``generation_config.json`` from a checkpoint directory (or that file itself).
 
-        Raises ``FileNotFoundError`` when the file is missing and ``ConfigError`` for invalid JSON or values.
+        Raises ``FileNotFoundError`` when the file is missing and ``ConfigError`` for invalid JSON or values
+        (naming the file).
         """
-        return cls.from_dict(config_io.read_generation_config_json(path))
+        data = config_io.read_generation_config_json(path)
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            file = os.path.join(path, "generation_config.json") if os.path.isdir(path) else os.fspath(path)
+            raise ConfigError(f"{file}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The transformers ``generation_config.json`` layout (``from_dict`` reads it back unchanged)."""

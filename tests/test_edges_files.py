@@ -250,7 +250,18 @@ def test_huge_stability_threshold_is_refused_by_the_cli(tmp_path, capsys):
     generation["stability_threshold"] = 2**40
     rc, err = _generate(capsys, _checkpoint_with(tmp_path, generation=generation))
     assert rc == 2 and "Traceback" not in err and "MemoryError" not in err
-    assert "stability_threshold must be at most max_denoising_steps" in err
+    assert "generation_config.json: stability_threshold must be at most max_denoising_steps=16" in err
+
+
+def test_gguf_sampler_defaults_are_bounded_and_name_the_file(tmp_path, q8_gguf):
+    from diffusiongemma.checkpoint import load_generation_config
+
+    path, data = _copy(q8_gguf, tmp_path / "eb.gguf")
+    _set_metadata_uint32(data, "diffusion.eb_stability_threshold", 2**32 - 1)
+    open(path, "wb").write(data)
+    with pytest.raises(ConfigError, match=r"eb\.gguf: stability_threshold must be at most max_denoising_steps=16 "
+                                          r".* got 4294967295 \(GGUF metadata diffusion\.eb_\*\)"):
+        load_generation_config(path)
 
 
 def test_float32_checker_for_the_command_line():
