@@ -112,15 +112,23 @@ class DenoisingRecord:
         if not isinstance(data, Mapping) or not isinstance(data.get("canvases"), list):
             raise InputError(f"{where} holds no per-step data (expected an object with 'canvases'; write it with "
                              "diffusiongemma generate --json)")
+        if "canvas_length" not in data or "max_steps" not in data:
+            missing = "canvas_length" if "canvas_length" not in data else "max_steps"
+            raise InputError(f"{where}: malformed per-step data (no field {missing!r})")
+        C = _count(data["canvas_length"], "canvas_length", where)
+        N = _count(data["max_steps"], "max_steps", where)
         try:
-            C, N = int(data["canvas_length"]), int(data["max_steps"])
             canvases = []
             for k, c in enumerate(data["canvases"]):
                 entropies = np.asarray(c["entropy"], dtype=np.float32).reshape(-1, C)
                 S = entropies.shape[0]
                 temps = np.array([np.nan if t is None else t for t in c["temperature"]], dtype=np.float32)
+                accepted = np.asarray(c["accepted"])
+                if accepted.size and not (accepted.dtype.kind in "biu" and np.isin(accepted, (0, 1)).all()):
+                    raise InputError(f"{where}: canvas {k}'s 'accepted' holds {_first_not_flag(accepted)!r}; "
+                                     "each entry is 0 (renoised) or 1 (accepted)")
                 canvases.append(CanvasRecord(
-                    entropies=entropies, accepted=np.asarray(c["accepted"], dtype=bool).reshape(S, C),
+                    entropies=entropies, accepted=accepted.astype(bool).reshape(S, C),
                     drafts=np.asarray(c["draft"], dtype=np.int64).reshape(S, C), temperatures=temps.reshape(S),
                     committed=None if c.get("committed") is None else np.asarray(c["committed"], dtype=np.int64)))
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
@@ -148,9 +156,13 @@ class DenoisingRecord:
                 i += 1
             committed = (np.asarray(trace.get(f"canvas{k}.committed"))[0].astype(np.int64)
                          if f"canvas{k}.committed" in names else None)
+            accepted = np.stack(rows["accepted"])
+            if accepted.size and not (accepted.dtype.kind in "biu" and np.isin(accepted, (0, 1)).all()):
+                raise InputError(f"{trace.path}: canvas {k}'s 'accepted' holds {_first_not_flag(accepted)!r}; each "
+                                 "entry is 0 (renoised) or 1 (accepted)")
             canvases.append(CanvasRecord(
                 entropies=np.stack(rows["sampler_entropy"]).astype(np.float32),
-                accepted=np.stack(rows["accepted"]).astype(bool), drafts=np.stack(rows["draft"]).astype(np.int64),
+                accepted=accepted.astype(bool), drafts=np.stack(rows["draft"]).astype(np.int64),
                 temperatures=np.array(rows["temperature"], dtype=np.float32), committed=committed))
             k += 1
         if not canvases:
@@ -160,8 +172,38 @@ class DenoisingRecord:
         return cls(C, N or max(c.steps for c in canvases), canvases)
 
 
+def _count(value: Any, name: str, where: str) -> int:
+    """``value`` as an integer >= 1 (a JSON integer, not a bool, a fraction or text); ``InputError`` naming
+    ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise InputError(f"{where}: {name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _first_not_flag(values: np.ndarray) -> Any:
+    """The first entry of ``values`` that is neither 0 nor 1 (as read, for the message)."""
+    flat = values.ravel()
+    if flat.dtype.kind in "biuf":
+        return flat[~np.isin(flat, (0, 1))][0].item()
+    return flat[0].item()
+
+
 def _check_canvas(canvas: CanvasRecord, k: int, C: int, where: str) -> None:
-    """``InputError`` for a committed list longer than the canvas (or not a flat list), or a negative token id."""
+    """``InputError`` naming the field for what no run can record: a canvas without steps, an entropy that is
+    NaN, infinite or negative, a temperature that is infinite or negative (NaN means no schedule), a
+    committed list longer than the canvas (or not a flat list), a negative token id."""
+    if canvas.steps == 0:
+        raise InputError(f"{where}: canvas {k} holds no denoising steps")
+    bad = ~np.isfinite(canvas.entropies) | (canvas.entropies < -1e-6)  # -sum p log p >= 0 (rounding aside)
+    if bad.any():
+        s, i = np.argwhere(bad)[0]
+        raise InputError(f"{where}: canvas {k}'s 'entropy' holds {float(canvas.entropies[s, i])!r} at step {s} "
+                         f"position {i}; an entropy is a finite number >= 0 (nats)")
+    temps = canvas.temperatures
+    bad_t = np.flatnonzero(~np.isnan(temps) & (~np.isfinite(temps) | (temps < 0)))
+    if bad_t.size:
+        raise InputError(f"{where}: canvas {k}'s 'temperature' holds {float(temps[bad_t[0]])!r} at step "
+                         f"{int(bad_t[0])}; a temperature is a finite number >= 0 (null: no schedule)")
     if canvas.committed is not None and (canvas.committed.ndim != 1 or canvas.committed.size > C):
         raise InputError(f"{where}: canvas {k}'s 'committed' holds {canvas.committed.size} token ids "
                          f"(shape {canvas.committed.shape}) for canvas_length={C} positions")
@@ -383,9 +425,12 @@ def summary(record):
 
 
 def save_figure(fig, path: str) -> None:
-    """Write ``fig`` to ``path``; the format follows the extension (.png, .svg, .pdf)."""
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    """Write ``fig`` to ``path``; the format follows the extension (.png, .svg, .pdf). The figure is closed
+    whether or not the write succeeds."""
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        _pyplot().close(fig)
 
 
 # ================================================================================================ animation

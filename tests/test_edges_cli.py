@@ -10,6 +10,7 @@ float32, impossible trace records, a configuration altered after recording, a di
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -193,3 +194,105 @@ def test_generate_without_a_loaded_model_says_what_to_pass(model, expected):
     for run in (reference_generate, fast.generate):
         with pytest.raises(InputError, match=expected):
             run(model, [[5, 6]], max_new_tokens=16)
+
+
+# ------------------------------------------------------------------------------------------------ plot records
+def _run_record(**changes) -> dict:
+    """A well-formed ``generate --json`` denoising record of one canvas (C = 4, 2 steps), with changes:
+    ``entropy``/``accepted``/``temperature`` replace one entry of step 1, other keys replace top-level fields."""
+    canvas = {"entropy": [[0.5] * 4, [0.2] * 4], "accepted": [[0, 1, 0, 1], [1] * 4], "draft": [[5] * 4] * 2,
+              "temperature": [0.8, 0.4], "committed": [5] * 4}
+    record = {"canvas_length": 4, "max_steps": 2, "canvases": [canvas]}
+    for key, value in changes.items():
+        if key == "temperature":
+            canvas[key][1] = value
+        elif key in canvas:
+            canvas[key][1][2] = value
+        else:
+            record[key] = value
+    return record
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"entropy": float("nan")}, "canvas 0's 'entropy' holds nan at step 1 position 2; an entropy is a finite number"),
+    ({"entropy": -3.0}, "canvas 0's 'entropy' holds -3.0 at step 1 position 2"),
+    ({"entropy": float("inf")}, "canvas 0's 'entropy' holds inf at step 1 position 2"),
+    ({"temperature": -0.5}, "canvas 0's 'temperature' holds -0.5 at step 1; a temperature is a finite number >= 0"),
+    ({"accepted": 7}, "canvas 0's 'accepted' holds 7; each entry is 0 (renoised) or 1 (accepted)"),
+    ({"accepted": "yes"}, "canvas 0's 'accepted' holds '"),
+    ({"max_steps": -1}, "max_steps must be an integer >= 1, got -1"),
+    ({"canvas_length": 2.5}, "canvas_length must be an integer >= 1, got 2.5"),
+    ({"canvas_length": True}, "canvas_length must be an integer >= 1, got True"),
+])
+def test_plot_refuses_impossible_records_naming_the_field(tmp_path, capsys, changes, expected):
+    """NaN entropies, a negative temperature, an accepted flag of 7 and max_steps -1 were drawn as given."""
+    import json
+
+    from diffusiongemma.cli.main import main
+
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(_run_record(**changes)))
+    for output in ("out.png", "out.html"):
+        rc = main(["plot", str(run), "-o", str(tmp_path / output)])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{run}: " in err and expected in err, err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / output).exists()
+
+
+def test_plot_record_checks_accept_what_a_run_writes():
+    from diffusiongemma import plot
+
+    record = plot.DenoisingRecord.from_json(_run_record(temperature=None))
+    assert record.canvases[0].accepted.tolist() == [[False, True, False, True], [True] * 4]
+    assert np.isnan(record.canvases[0].temperatures[1])
+
+
+def _full_disk_after(limit: int):
+    """A stand-in for ``open`` whose files take ``limit`` bytes and then fail as a full disk does."""
+    import builtins
+    import errno
+
+    class Full:
+        def __init__(self, handle):
+            self.handle, self.written = handle, 0
+
+        def write(self, data):
+            room = limit - self.written
+            if len(data) > room:
+                self.handle.write(data[:room])
+                self.handle.flush()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.written += len(data)
+            return self.handle.write(data)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+    return lambda path, mode="r", **kwargs: Full(builtins.open(path, mode, **kwargs))
+
+
+@pytest.mark.parametrize("output", ["p.html", "p.png"])
+def test_plot_onto_a_full_disk_names_the_file_and_leaves_nothing(tmp_path, capsys, monkeypatch, output):
+    """``plot -o p.html`` on a full disk printed ``[Errno 28]`` without the file name and left 8 KiB of page
+    under the final name (it wrote straight to the target)."""
+    import json
+
+    from diffusiongemma import plot
+    from diffusiongemma.cli.main import main
+
+    run = tmp_path / "in" / "run.json"
+    run.parent.mkdir()
+    run.write_text(json.dumps(_run_record()))
+    out = tmp_path / "out" / output
+    out.parent.mkdir()
+    full = _full_disk_after(1024)
+    monkeypatch.setattr("diffusiongemma.cli.plot_cmd.open", full, raising=False)
+    monkeypatch.setattr(plot, "save_figure", lambda fig, path: full(path, "wb").__enter__().write(b"\0" * 10000))
+    rc = main(["plot", str(run), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"-o/--output {str(out)!r}: the " in err and "could not be written: no space left on device" in err
+    assert len(err.strip().splitlines()) == 1 and os.listdir(out.parent) == []

@@ -27,6 +27,30 @@ def check_writable(path: str, option: str) -> None:
         raise InputError(f"{option} {path!r} exists and is not writable")
 
 
+def write_aside(path: str, option: str, write, what: str = "the file") -> None:
+    """Write ``path`` through ``write(temporary_path)`` into a hidden file beside it, then rename it into place,
+    so that a failure (a full disk, Ctrl-C) never leaves a partial file under ``path``; the hidden file is
+    removed on any failure. The temporary name keeps ``path``'s extension (writers that choose the format by
+    it). An ``OSError`` becomes ``InputError`` naming ``option``, the path and the cause ("no space left on
+    device" for ENOSPC)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    extension = os.path.splitext(name)[1]
+    temporary = os.path.join(folder, f".{name}.partial-{os.getpid()}{extension}")
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except BaseException as exc:
+        try:
+            os.remove(temporary)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            reason = (exc.strerror or str(exc)).lower()
+            raise InputError(f"{option} {path!r}: {what} could not be written: {reason}; nothing was written "
+                             f"there") from None
+        raise
+
+
 def check_generate_options(args, settings, prompt_length: int, stream=None) -> None:
     """The rules ``generate`` applies to option combinations once the prompt is tokenized (so that every option
     takes effect, is refused, or is reported by name on stderr):

@@ -38,7 +38,7 @@ def run(args) -> int:
     from diffusiongemma import plot
     from diffusiongemma.reference.support.errors import InputError
 
-    from .checks import check_writable
+    from .checks import check_writable, write_aside
 
     extension = os.path.splitext(args.output)[1].lower()
     if extension not in (".png", ".svg", ".pdf", ".html"):
@@ -60,10 +60,14 @@ def run(args) -> int:
         name = "standard input" if args.run == "-" else os.path.basename(args.run)
         plot.check_token_ids(record, vocab_size, "standard input" if args.run == "-" else args.run)
         page = plot.animation_html(record, decode, title=f"diffusiongemma: {name}")
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(page)
+
+        def write(target: str) -> None:
+            with open(target, "w", encoding="utf-8") as f:
+                f.write(page)
+        write_aside(args.output, "-o/--output", write, "the animation")
     else:
-        plot.save_figure(plot.figure(record, args.figure), args.output)
+        fig = plot.figure(record, args.figure)
+        write_aside(args.output, "-o/--output", lambda target: plot.save_figure(fig, target), "the figure")
     print(f"wrote {args.output}: {len(record.canvases)} canvas(es), "
           f"{sum(c.steps for c in record.canvases)} steps", file=sys.stderr)
     return 0
