@@ -13,7 +13,17 @@ taking the cores from the threads doing the work.
 * else, when the environment sets a count (any of ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``,
   ``MKL_NUM_THREADS``, ``GOTO_NUM_THREADS``, ``BLIS_NUM_THREADS``), to nothing: the user's setting wins;
 * else to the cores that are free now: the cores this process may use (CPU affinity, capped by a cgroup CPU
-  quota) minus the runnable tasks of other processes, at least 1.
+  quota) minus the runnable tasks of other processes, at least 1. This process's own threads are not load:
+  the runnable count of ``/proc/loadavg`` is taken less this process's threads in state R
+  (``/proc/self/task``), so an OpenBLAS worker still spinning after ``import numpy`` is not counted.
+
+A count above the cores this process may use (``usable_cores``) is refused (``ValueError`` naming the value
+and the limit): more threads than cores only take turns on them, and every BLAS call waits for the last.
+
+Only this package's thread pools are sized: NumPy's BLAS and the GNU OpenMP runtime of the fast path's
+kernels. The OpenMP and BLAS libraries that torch bundles (``torch/lib``) are left as the caller set them, so
+``torch.get_num_threads()`` is the same before and after ``import diffusiongemma``; where torch was imported
+first and its OpenMP runtime is the one the kernels then share, the kernels run on torch's count.
 
 Importing ``diffusiongemma`` calls ``configure()`` once, so ``generate`` and the models run on the same
 threads from Python as from the command line. Nothing is written to ``os.environ``: the BLAS libraries
@@ -33,7 +43,7 @@ import time
 from typing import Mapping
 
 __all__ = ["COUNT_VARIABLES", "usable_cores", "busy_cores", "choose_thread_count", "configure", "describe",
-           "blas_threads"]
+           "blas_threads", "check_thread_count", "own_running_threads"]
 
 COUNT_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "GOTO_NUM_THREADS",
                    "BLIS_NUM_THREADS")  # the variables that set a thread count (any one set: the user's choice)
@@ -60,16 +70,38 @@ def usable_cores() -> int:
     return max(cores, 1)
 
 
-def busy_cores(samples: int = 5, interval: float = 0.002, loadavg: str = "/proc/loadavg") -> int:
+def own_running_threads(tasks: str = "/proc/self/task") -> int:
+    """Threads of this process in state R (running or runnable) now, from ``tasks/*/stat``; at least 1 (the
+    thread reading them), and 1 where the folder cannot be read."""
+    running = 0
+    try:
+        names = os.listdir(tasks)
+    except OSError:
+        return 1
+    for name in names:
+        try:
+            with open(os.path.join(tasks, name, "stat"), encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces and ")"
+        except (OSError, IndexError):
+            continue  # a thread that ended meanwhile
+        running += bool(fields) and fields[0] == "R"
+    return max(running, 1)
+
+
+def busy_cores(samples: int = 5, interval: float = 0.002, loadavg: str = "/proc/loadavg",
+               tasks: str = "/proc/self/task") -> int:
     """Runnable tasks of other processes right now: the median over ``samples`` readings of the kernel's
-    count of runnable tasks (``/proc/loadavg``, 4th field), minus this process. 0 where /proc is missing."""
+    count of runnable tasks (``/proc/loadavg``, 4th field) less this process's running threads
+    (``own_running_threads``: the reading thread, and e.g. BLAS workers still spinning). 0 where /proc is
+    missing."""
     counts = []
     for n in range(samples):
         try:
             with open(loadavg, encoding="ascii") as f:
-                counts.append(int(f.read().split()[3].split("/")[0]) - 1)  # minus the reading process
+                runnable = int(f.read().split()[3].split("/")[0])
         except (OSError, ValueError, IndexError):
             return 0
+        counts.append(runnable - own_running_threads(tasks))
         if n + 1 < samples:
             time.sleep(interval)
     counts.sort()
@@ -126,34 +158,73 @@ def _load_openmp(count: int | None) -> None:
                 os.environ[key] = value
 
 
+def check_thread_count(threads, what: str = "threads") -> int:
+    """``threads`` when it is an integer from 1 to ``usable_cores()``; else ``ValueError`` naming ``what``, the
+    value and the limit."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"{what} must be a positive integer, got {threads!r}")
+    limit = usable_cores()
+    if threads > limit:
+        raise ValueError(f"{what} {threads} is more than this machine can run at once: this process may use "
+                         f"{limit} core{'s' if limit != 1 else ''} (CPU affinity and cgroup quota); give 1 to {limit}")
+    return threads
+
+
 def configure(threads: int | None = None) -> int | None:
     """Size BLAS and OpenMP as the module docstring says; returns the count set, or None when the
-    environment's own setting was kept. ``threads``: a positive count that wins over everything."""
+    environment's own setting was kept. ``threads``: a count from 1 to ``usable_cores()`` that wins over
+    everything (``ValueError`` otherwise, naming the value and the limit)."""
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be a positive integer, got {threads!r}")
-        count, chosen_by = threads, "threads="
+        count, chosen_by = check_thread_count(threads, "threads="), "threads="
     elif users_count() is not None:
         count, chosen_by = None, "environment"
     else:
         count, chosen_by = choose_thread_count(), "diffusiongemma"
+    _state.pop("reference_blas_threads", None)
     _load_openmp(count)
     if count is None:
         _AFTER_NUMPY.count = None  # no longer limit a NumPy loaded later (the user's setting wins now)
     else:
-        from threadpoolctl import threadpool_limits
-
-        threadpool_limits(limits=count, user_api="openmp")
+        _limit_pools(count, "openmp")
         _limit_blas_when_loaded(count)
     _state.update(threads=count, chosen_by=chosen_by, wait_policy=os.environ.get(WAIT_VARIABLE)
                   or _openmp["wait_policy"])
     return count
 
 
-def _limit_blas(count: int) -> None:
-    from threadpoolctl import threadpool_limits
+def cap_blas_to_free_cores() -> tuple[int, int] | None:
+    """For a run whose only parallelism is BLAS (the reference): limit the loaded BLAS to the cores free now
+    (``choose_thread_count``) when it has more threads; returns (threads before, threads now) when it did,
+    else None. Why: the reference makes many small BLAS calls, each split statically over the BLAS threads
+    and waiting for the slowest, and OpenBLAS's workers spin between calls, so on busy cores two threads ran
+    the shipped model 5-16x slower than one. The fast path needs no cap: its kernels run BLAS serially, tile
+    by tile, on OpenMP threads with dynamic schedules. Recorded as ``reference_blas_threads`` in ``describe``."""
+    current = max(blas_threads(), default=1)
+    free = choose_thread_count()
+    if current <= free:
+        return None
+    _limit_pools(free, "blas")
+    _state["reference_blas_threads"] = free
+    return current, free
 
-    threadpool_limits(limits=count, user_api="blas")  # kept in force: the limiter is not a context here
+
+def _bundled_by_torch(filepath: str | None) -> bool:
+    """Whether a loaded library is one of torch's own (``.../torch/lib/...``): its thread count is torch's."""
+    parts = os.path.normpath(filepath or "").split(os.sep)
+    return any(a == "torch" and b == "lib" for a, b in zip(parts, parts[1:]))
+
+
+def _limit_pools(count: int, user_api: str) -> None:
+    """Set ``count`` threads on the loaded libraries of ``user_api`` ("blas" or "openmp"), torch's excepted."""
+    from threadpoolctl import ThreadpoolController
+
+    for lib in ThreadpoolController().select(user_api=user_api).lib_controllers:
+        if not _bundled_by_torch(lib.filepath):
+            lib.set_num_threads(count)
+
+
+def _limit_blas(count: int) -> None:
+    _limit_pools(count, "blas")
 
 
 class _AfterNumpy:
@@ -215,5 +286,8 @@ def describe() -> dict:
             threads = int(users_count()[1])
         except (TypeError, ValueError):
             threads = None
-    return {"threads": threads, "chosen_by": chosen_by, "wait_policy": _state["wait_policy"],
-            "blas_threads": blas_threads()}
+    described = {"threads": threads, "chosen_by": chosen_by, "wait_policy": _state["wait_policy"],
+                 "blas_threads": blas_threads()}
+    if _state.get("reference_blas_threads") is not None:
+        described["reference_blas_threads"] = _state["reference_blas_threads"]
+    return described

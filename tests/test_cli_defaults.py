@@ -71,3 +71,20 @@ def test_an_explicit_backend_is_kept():
 def test_greedy_and_semantics_run_on_the_reference_under_auto(capsys):
     assert run_json(capsys, "And God said", "--seed", "2", "--greedy")["backend"] == "reference"
     assert run_json(capsys, "And God said", "--seed", "2", "--semantics", "jax")["backend"] == "reference"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "hi", "-n", "0"], "diffusiongemma generate: error: argument -n/--max-new-tokens: expected a positive "
+                                    "integer, got 0"),
+    (["generate", "hi", "--backend", "tpu"], "diffusiongemma generate: error: argument --backend: invalid choice: 'tpu'"),
+    (["convert"], "diffusiongemma convert: error: the following arguments are required"),
+    (["generat", "hi"], "diffusiongemma: error: argument COMMAND: invalid choice: 'generat'"),
+])
+def test_an_argument_error_is_one_line_and_a_hint(capsys, args, message):
+    """#33: `-n 0` printed argparse's 11-line usage block before the error."""
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(message), lines
+    assert lines[1].endswith("--help lists the options)") and "usage:" not in lines[0]

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy  # noqa: F401  (the BLAS these tests size is NumPy's: loaded here, not by whichever plugin ran first)
 import pytest
 
 from diffusiongemma import threads
@@ -62,11 +63,124 @@ def test_an_explicit_count_wins_over_the_environment(monkeypatch):
             threads.configure(threads=bad)
 
 
+def _tasks(folder, states) -> str:
+    """A fake /proc/self/task: one thread per state letter (a name with spaces and a ')' as real ones may)."""
+    for n, state in enumerate(states):
+        (folder / str(100 + n)).mkdir(parents=True)
+        (folder / str(100 + n) / "stat").write_text(f"{100 + n} (python3 (x) y) {state} 1 2 3 4\n")
+    return str(folder)
+
+
 def test_busy_cores_reads_the_runnable_count(tmp_path):
     loadavg = tmp_path / "loadavg"
     loadavg.write_text("1.50 1.20 0.80 4/312 12345\n")
-    assert threads.busy_cores(samples=3, interval=0, loadavg=str(loadavg)) == 3  # minus the reading process
+    one = _tasks(tmp_path / "one", "RSS")  # only the reading thread runs
+    assert threads.busy_cores(samples=3, interval=0, loadavg=str(loadavg), tasks=one) == 3
     assert threads.busy_cores(loadavg=str(tmp_path / "missing")) == 0
+
+
+def test_this_processs_own_threads_are_not_load(tmp_path):
+    """#33: after `import numpy`, OpenBLAS's worker of this very process still spins (state R) and was counted
+    as another process's load, so `import numpy; import diffusiongemma` picked 1 thread on an idle 2-core
+    machine. Three running threads of our own and a runnable count of 3: nothing else is busy."""
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.10 0.10 0.10 3/312 12345\n")
+    ours = _tasks(tmp_path / "task", "RRSRS")
+    assert threads.own_running_threads(ours) == 3
+    assert threads.busy_cores(samples=3, interval=0, loadavg=str(loadavg), tasks=ours) == 0
+    assert threads.own_running_threads(str(tmp_path / "missing")) == 1  # unreadable: the reader itself
+
+
+def test_an_idle_two_core_machine_with_numpy_loaded_first_picks_two(monkeypatch, no_thread_variables, tmp_path):
+    """The same through configure: 2 usable cores, the runnable count made only of this process's threads."""
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.00 0.00 0.00 2/100 1\n")
+    ours = _tasks(tmp_path / "task", "RR")  # the importing thread and a spinning BLAS worker
+    real = threads.busy_cores
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "busy_cores", lambda: real(samples=3, interval=0, loadavg=str(loadavg), tasks=ours))
+    assert threads.configure() == 2
+
+
+def test_own_running_threads_sees_threads_that_run(tmp_path):
+    import hashlib
+    import threading
+
+    data, stop = bytes(32 << 20), threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            hashlib.sha256(data).digest()  # hashing releases the GIL: the thread stays runnable
+
+    workers = [threading.Thread(target=spin, daemon=True) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        seen = max(threads.own_running_threads() for _ in range(200))
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert seen >= 2, seen  # the reader and at least one hashing thread at the same reading
+
+
+TORCH_UNTOUCHED = r"""
+import json
+import torch
+torch.set_num_threads(2)
+import numpy
+import diffusiongemma
+from diffusiongemma import threads
+after_import = torch.get_num_threads()
+threads.configure(threads=1)
+print(json.dumps([after_import, torch.get_num_threads(), threads.describe()["blas_threads"]]))
+"""
+
+
+def test_the_callers_torch_threads_are_left_alone():
+    """#33: sizing the package's pools capped torch's intra-op threads (torch's own OpenMP runtime) too."""
+    proc = subprocess.run([sys.executable, "-c", TORCH_UNTOUCHED], capture_output=True, text=True, env=clean_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    after_import, after_configure, blas = json.loads(proc.stdout)
+    assert (after_import, after_configure) == (2, 2)
+    assert blas == [1]  # NumPy's BLAS is still sized
+
+
+@pytest.mark.parametrize("count", [100000, 2**63, 10**30])
+def test_thread_counts_above_the_usable_cores_are_refused(count, capsys):
+    from diffusiongemma.cli.main import main
+
+    limit = threads.usable_cores()
+    with pytest.raises(ValueError, match=rf"threads= {count} is more than .* {limit} core.*give 1 to {limit}"):
+        threads.configure(threads=count)
+    for command in (["generate", "And God said"], ["trace", "--prompt", "And God said", "-o", "x.trace"]):
+        assert main([*command, "--threads", str(count)]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"diffusiongemma {command[0]}: error: --threads {count} is more than this machine can run at "
+                       f"once: this process may use {limit} core{'s' if limit != 1 else ''} (CPU affinity and cgroup "
+                       f"quota); give 1 to {limit}\n")
+    assert threads.configure(threads=limit) == limit
+
+
+def test_the_reference_never_runs_blas_on_more_threads_than_free_cores(monkeypatch, capsys):
+    """#33: --threads 2 on the reference ran 5-16x slower than --threads 1 on two busy cores (OpenBLAS splits
+    each small product over both and waits for the descheduled one). With one core free the reference's BLAS
+    runs on one thread, with a note; the fast path keeps the count (its BLAS runs serially in its kernels)."""
+    from diffusiongemma.cli.main import main
+
+    if threads.usable_cores() < 2:
+        pytest.skip("one usable core: no count above it can be given")
+    monkeypatch.setattr(threads, "busy_cores", lambda: threads.usable_cores() - 1)
+    args = ["generate", "And God said", "-n", "8", "--steps", "2", "--seed", "1", "--json", "--threads", "2"]
+    assert main([*args, "--backend", "reference"]) == 0
+    captured = capsys.readouterr()
+    described = json.loads(captured.out)["threads"]
+    assert described["threads"] == 2 and described["reference_blas_threads"] == 1 and described["blas_threads"] == [1]
+    assert "--threads 2: 1 core free now, so the reference's BLAS runs on 1" in captured.err
+    assert main([*args, "--backend", "cpu"]) == 0
+    described = json.loads(capsys.readouterr().out)["threads"]
+    assert described["blas_threads"] == [2] and "reference_blas_threads" not in described
 
 
 def test_an_in_process_run_leaves_the_environment_alone(capsys):

@@ -295,6 +295,12 @@ def run(args) -> int:
     bars = ProgressBars(planned, settings.max_denoising_steps) if show_bars else None
     log = DenoisingLog()
 
+    if args.backend == "reference":  # BLAS is its only parallelism: never more threads than free cores now
+        capped = threads.cap_blas_to_free_cores()
+        if capped is not None and args.threads is not None:
+            print(f"diffusiongemma generate: note: --threads {args.threads}: {capped[1]} core"
+                  f"{'s' if capped[1] != 1 else ''} free now, so the reference's BLAS runs on {capped[1]} "
+                  "(a BLAS call split over busy cores waits for the slowest)", file=sys.stderr)
     generate = generate_function(args.backend)
     t1 = time.perf_counter()
     interrupted = True

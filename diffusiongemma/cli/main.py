@@ -31,6 +31,15 @@ SUBCOMMANDS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, except that a bad argument is one line naming it and one line of hint, without the
+    usage block (``diffusiongemma generate: error: argument -n/--max-new-tokens: expected a positive integer,
+    got 0``). Subcommands' parsers are of this class too (argparse makes them of the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists the options)\n")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows every option's default (``(default: X)``), except for switches, unset (None) defaults and help
     texts that already say what the default is."""
@@ -48,7 +57,7 @@ class TopHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     from diffusiongemma import __version__
 
-    parser = argparse.ArgumentParser(prog="diffusiongemma", description=__doc__, formatter_class=TopHelpFormatter)
+    parser = ArgumentParser(prog="diffusiongemma", description=__doc__, formatter_class=TopHelpFormatter)
     parser.add_argument("--version", action="version", version=f"diffusiongemma {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module, _ in SUBCOMMANDS:
@@ -66,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
         argv = join_signed_values(parser, argv)  # `--entropy-bound -inf`: a value, refused by the option's type
         args = parser.parse_args(argv)  # importing the package sized the threads (diffusiongemma/threads.py)
-        if getattr(args, "threads", None) is not None:  # --threads N wins over the sizing and the environment
-            from diffusiongemma.threads import configure
-
-            configure(threads=args.threads)
         command = f"diffusiongemma {args.command}"
+        if getattr(args, "threads", None) is not None:  # --threads N wins over the sizing and the environment
+            from diffusiongemma.threads import check_thread_count, configure
+
+            configure(threads=check_thread_count(args.threads, "--threads"))  # above the usable cores: refused
         if getattr(args, "takes_argv", False):
             args.argv = argv[argv.index(args.command) + 1:]  # the top level has no options taking values
         return args.handler(args)
