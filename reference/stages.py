@@ -14,7 +14,10 @@ once per use, the same way whatever it is:
     commit(ā, x', stopped) -> what the canvas commits                           §8.2 step 4
     eos.finalize(tokens, ended, eos, pad, forced) / eos.trim(ids, eos, n)        §8.2 step 5
     canvas_window.keys(positions, L, C, W) -> (C, T) bool; canvas_window.new_cache(model, B)   §7.3
-    last_canvas(C, remaining) -> the canvas length                              §8.1
+
+Every stage here is applied by the loop (``tests/test_semantics.py::test_every_stage_is_applied_by_the_loop``);
+a peer's choice the loop cannot apply is stated in its ``Semantics.note`` instead (mlx-vlm's shorter last
+canvas).
 """
 
 from __future__ import annotations
@@ -151,17 +154,6 @@ class TransformersEos:
         return [int(t) for t in new_tokens]
 
 
-@dataclass(frozen=True)
-class FullCanvas:
-    """Every canvas has canvas_length positions."""
-
-    name: ClassVar[str] = "full"
-    source: ClassVar[str] = "transformers, JAX, llama.cpp, diffusers: every canvas has canvas_length positions"
-
-    def __call__(self, model_canvas_length: int, remaining_tokens: int) -> int:
-        return int(model_canvas_length)
-
-
 # ------------------------------------------------------------------------------------------ window (§7.3)
 @dataclass(frozen=True)
 class RetainedKeys:
@@ -190,7 +182,6 @@ class Semantics:
     canvas_window: Any = RetainedKeys()  # prompt keys a canvas query sees in a sliding layer
     temperature: Any = Float32Schedule()  # T_n of the schedule
     sc_temperature: Any = DivideSC()  # the next step's self-conditioning input
-    last_canvas: Any = FullCanvas()  # length of each canvas
     eos: Any = TransformersEos()  # end-token handling
     sampler: Any = EntropyBound()  # the acceptance stage
     denoiser_draw: Any = CategoricalDraw()  # the token each position proposes

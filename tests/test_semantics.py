@@ -60,8 +60,9 @@ def test_variant_choices_match_the_peer_table():
         "sampled", "non-strict", "input-canvas", "W-1-i")
     assert names(llama.stop_history, llama.sc_temperature, llama.temperature, llama.eos) == (
         "held-counter", "multiply-inverse", "c-float", "llama.cpp")
-    assert names(mlx.sampler, mlx.denoiser_draw, mlx.last_canvas, mlx.eos, mlx.threshold) == (
-        "confidence-threshold", "argmax", "remaining-min-64", "stop-excluded", 0.9)
+    assert names(mlx.sampler, mlx.denoiser_draw, mlx.eos, mlx.threshold) == (
+        "confidence-threshold", "argmax", "stop-excluded", 0.9)
+    assert "last canvas" in mlx.note and "not reproduced" in mlx.note
     assert names(dif.commit, dif.stop_history, dif.eos, dif.temperature) == (
         "sampled-unless-stopped", "argmax-history-min1", "first-id-only", "double")
     assert names(vllm.temperature, vllm.eos) == ("double", "cut-after")
@@ -194,12 +195,58 @@ def test_output_trimming_rules():
     assert llama.trim([4, 1, 5, 6] + [7, 8, 9, 10], (1,), 256, canvas_length=4) == [4]
 
 
-def test_last_canvas_length_rule():
-    assert stage("last_canvas", "full")(256, 20) == 256
-    assert stage("last_canvas", "remaining-min-64")(256, 100) == 100
-    assert stage("last_canvas", "remaining-min-64")(256, 20) == 64
-    assert stage("last_canvas", "remaining-min-64")(256, 1000) == 256
-    assert stage("last_canvas", "remaining-min-64")(16, 3) == 16  # canvases of at most 64 never shrink
+class StageSpy:
+    """Wraps a stage object and records whether the loop called it or one of its methods."""
+
+    def __init__(self, inner):
+        self.inner, self.used = inner, False
+
+    name = property(lambda self: self.inner.name)
+    source = property(lambda self: self.inner.source)
+
+    def __call__(self, *args, **kwargs):
+        self.used = True
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, attr):
+        value = getattr(self.inner, attr)
+        if not callable(value):
+            return value
+
+        def method(*args, **kwargs):
+            self.used = True
+            return value(*args, **kwargs)
+        return method
+
+
+def run_with_spies(fields, **settings):
+    """A tiny reference run whose stages named in ``fields`` are spies; returns {field: used}."""
+    from diffusiongemma.reference.generate import generate
+    from diffusiongemma.reference.model import Model
+    from diffusiongemma.tiny import make_config, random_tensors
+
+    cfg = make_config(vocab_size=32, canvas_length=6)
+    model = Model(cfg, random_tensors(cfg, seed=1, final_norm_gain=25.0, self_conditioning_gain=1e-3))
+    spies = {field: StageSpy(getattr(S.TRANSFORMERS, field)) for field in fields}
+    semantics = S.TRANSFORMERS.replace(name="spied", **spies)
+    generate(model, np.array([[5, 6, 7, 8]]), random=0, semantics=semantics, max_new_tokens=12,
+             max_denoising_steps=6, eos_token_id=[1], pad_token_id=0, **settings)
+    return {field: spy.used for field, spy in spies.items()}
+
+
+def test_every_stage_is_applied_by_the_loop():
+    """A stage the loop never applies would make a variant look reproduced when it is not (a declared
+    ``last_canvas`` stage was once recorded for mlx-vlm but never applied)."""
+    used = run_with_spies(list(STAGES))
+    assert set(used) == set(STAGES) and len(used) >= 9
+    assert all(used.values()), f"stages the loop never applies: {[f for f, u in used.items() if not u]}"
+
+
+def test_the_stage_spy_sees_an_unapplied_stage():
+    """Negative control: without adaptive stopping the loop never consults the stopping stages, and the spies
+    say so."""
+    used = run_with_spies(["stop_history", "stop_comparison", "temperature"], stability_threshold=None)
+    assert used == {"stop_history": False, "stop_comparison": False, "temperature": True}
 
 
 # ------------------------------------------------------------------------------------------ samplers

@@ -14,7 +14,7 @@ One file per stage, each stage a small frozen object with a ``name`` (what ``--s
     draw.py          denoiser_draw (categorical draw or argmax); peer random streams as draw sources
     acceptance.py    sampler (entropy-bound, confidence-threshold, block-refinement, auto-regressive Euler)
     stopping.py      stop_comparison (< or <=), stop_history (what "stable" compares)
-    commit.py        commit (what a canvas commits), eos (end-token rule), last_canvas (canvas length)
+    commit.py        commit (what a canvas commits), eos (end-token rule)
     window.py        canvas_window (the prompt keys a canvas query sees in a sliding layer)
     llama_cpp_draws.py, jax_draws.py   the peers' own random streams as draw sources: ``LlamaCppDraws(seed)``
                      and ``JaxDraws(seed)`` reproduce those implementations' runs from the seed alone
@@ -35,7 +35,7 @@ __all__ = ["Semantics", "SEMANTICS", "TRANSFORMERS", "STAGES", "SWITCHES", "get_
 register_semantics(*[(field, stage) for field, choices in (
     ("commit", commit.COMMITS), ("stop_comparison", stopping.COMPARISONS), ("stop_history", stopping.HISTORIES),
     ("canvas_window", window.WINDOWS), ("temperature", temperature.TEMPERATURES),
-    ("sc_temperature", temperature.SC_INPUTS), ("last_canvas", commit.CANVAS_LENGTHS), ("eos", commit.EOS_RULES),
+    ("sc_temperature", temperature.SC_INPUTS), ("eos", commit.EOS_RULES),
     ("sampler", acceptance.SAMPLERS), ("denoiser_draw", draw.DRAWS)) for stage in choices.values()])
 
 register_semantics(semantics={v.name: v for v in (
@@ -48,10 +48,11 @@ register_semantics(semantics={v.name: v for v in (
                          note="PR #24423; the F16 SC embedding copy and GELU table are not reproduced"),
     TRANSFORMERS.replace(name="vllm", temperature="double", eos="cut-after",
                          note="Gumbel-max draws, top-k/top-p and the shared layer scalar are not reproduced"),
-    TRANSFORMERS.replace(name="mlx-vlm", temperature="double", last_canvas="remaining-min-64", eos="stop-excluded",
+    TRANSFORMERS.replace(name="mlx-vlm", temperature="double", eos="stop-excluded",
                          sampler="confidence-threshold", denoiser_draw="argmax", threshold=0.9,
                          note="mlx-vlm 0.7.10 defaults (confidence-threshold 0.9, temperature 0); "
-                              "replace(sampler='entropy-bound') for its entropy-bound sampler"),
+                              "replace(sampler='entropy-bound') for its entropy-bound sampler; its shorter last "
+                              "canvas, min(C, max(remaining, 64)) without --diffusion-full-canvas, is not reproduced"),
     TRANSFORMERS.replace(name="diffusers", commit="sampled-unless-stopped", stop_history="argmax-history-min1",
                          temperature="double", eos="first-id-only",
                          note="diffusers 0.42.1 with EntropyBoundScheduler; replace(sampler='block-refinement', "

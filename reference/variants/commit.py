@@ -1,9 +1,8 @@
-"""Commit stages: what a finished canvas commits, what an end token does to it and to the output, and how
-long each canvas is.
+"""Commit stages: what a finished canvas commits, and what an end token does to it and to the output.
 
-The spec (transformers) commits the argmax draft (``ARGMAX``), keeps the EOS and pads after it when a pad
-id is set (``TRANSFORMERS_EOS``: ``sampling.finalize_canvas``), and gives every canvas C positions
-(``FULL_CANVAS``).
+The spec (transformers) commits the argmax draft (``ARGMAX``) and keeps the EOS and pads after it when a pad
+id is set (``TRANSFORMERS_EOS``: ``sampling.finalize_canvas``). Every canvas has C positions in every
+variant: mlx-vlm's shorter last canvas is not reproduced (its ``Semantics.note`` says so).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..sampling import finalize_canvas
-from ..stages import CommitArgmax, FullCanvas, TransformersEos
+from ..stages import CommitArgmax, TransformersEos
 
 
 # ------------------------------------------------------------------------------------------ what is committed
@@ -139,21 +138,7 @@ CUT_AFTER_EOS = EosRule("cut-after", "vLLM server stop handling [I]: the output 
                         pad="none", cut="after")
 
 
-# ------------------------------------------------------------------------------------------ canvas length
-@dataclass(frozen=True)
-class RemainingMin64:
-    """mlx-vlm's last canvas: ``min(C, max(remaining, min(C, 64)))``."""
-
-    name: ClassVar[str] = "remaining-min-64"
-    source: ClassVar[str] = "mlx-vlm stream_diffusion_generate: min(C, max(remaining, min(C, 64))) unless full canvas"
-
-    def __call__(self, model_canvas_length: int, remaining_tokens: int, min_canvas: int = 64) -> int:
-        return int(min(model_canvas_length, max(remaining_tokens, min(model_canvas_length, min_canvas))))
-
-
 ARGMAX, SAMPLED, SAMPLED_UNLESS_STOPPED = CommitArgmax(), CommitSampled(), CommitSampledUnlessStopped()
-FULL_CANVAS, REMAINING_MIN_64 = FullCanvas(), RemainingMin64()
 COMMITS = {s.name: s for s in (ARGMAX, SAMPLED, SAMPLED_UNLESS_STOPPED)}
 EOS_RULES = {s.name: s for s in (TRANSFORMERS_EOS, JAX_EOS, STOP_EXCLUDED_EOS, LLAMA_CPP_EOS, FIRST_ID_EOS,
                                  CUT_AFTER_EOS)}
-CANVAS_LENGTHS = {s.name: s for s in (FULL_CANVAS, REMAINING_MIN_64)}
