@@ -103,6 +103,9 @@ def table(text: str) -> str:
         total[1] += numerics
         share = f"{prose / (prose + numerics):.0%}" if prose + numerics else "-"
         rows.append(f"| §{s.number} | {s.title} | {s.part.split(':')[0]} | {prose} | {numerics} | {share} |")
+    idea = [s.counts() for s in sections(text) if s.number == "0" or re.fullmatch(r"0\.[1-7]", s.number)]
+    prose, numerics = sum(c[0] for c in idea), sum(c[1] for c in idea)
+    rows.append(f"| §0-§0.7 | the idea alone | Part I | {prose} | {numerics} | {prose / (prose + numerics):.0%} |")
     for part, (prose, numerics) in totals.items():
         rows.append(f"| all | | {part.split(':')[0]} | {prose} | {numerics} | {prose / (prose + numerics):.0%} |")
     return "\n".join(rows)
