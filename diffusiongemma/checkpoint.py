@@ -217,25 +217,53 @@ def load_text_side(path: str) -> TextSide:
     try:
         tokenizer = Tokenizer.from_file(file)
     except Exception as exc:  # the tokenizers library raises a plain Exception on bad files
-        raise CheckpointError(f"{file!r} is not a valid tokenizers file: {exc}") from exc
+        detail = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        what = " (its vocabulary is damaged)" if "vocabulary" in detail else ""
+        raise CheckpointError(f"{file!r} is not a valid tokenizers file{what}: {detail}") from None
     config: dict = {}
     config_file = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(config_file):
         try:
             with open(config_file, encoding="utf-8") as f:
                 config = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{config_file!r} is not valid JSON: {exc}") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{config_file!r} is not valid UTF-8 JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{config_file!r} must hold a JSON object, got {type(config).__name__}")
     template = None
     template_file = os.path.join(path, "chat_template.jinja")
     if os.path.isfile(template_file):
-        with open(template_file, encoding="utf-8") as f:
-            template = f.read()
-    elif isinstance(config.get("chat_template"), str):
-        template = config["chat_template"]
+        try:
+            with open(template_file, encoding="utf-8") as f:
+                template = f.read()
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"{template_file!r} is not UTF-8 text: {exc}") from None
+    else:
+        template = _config_template(config.get("chat_template"), config_file)
 
     def token(name):
         value = config.get(name)
-        return value.get("content") if isinstance(value, dict) else value
+        value = value.get("content") if isinstance(value, dict) else value
+        if value is not None and not isinstance(value, str):
+            raise CheckpointError(f"{config_file!r}: {name} must be a string (or an object with 'content'), "
+                                  f"got {value!r:.80}")
+        return value
 
     return TextSide(tokenizer, template, token("bos_token"), token("eos_token"))
+
+
+def _config_template(value: Any, config_file: str) -> str | None:
+    """The chat template of ``tokenizer_config.json``: a string, or transformers' list of named templates
+    (``[{"name": "default", "template": ...}, ...]``, of which the "default" one is used, as upstream does for
+    a plain chat). Raises ``CheckpointError`` naming the file for any other value."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        named = {t["name"]: t["template"] for t in value}
+        if "default" in named:
+            return named["default"]
+        raise CheckpointError(f"{config_file!r}: chat_template lists templates {sorted(named)} but none is named "
+                              "'default'")
+    raise CheckpointError(f"{config_file!r}: chat_template must be a string or a list of "
+                          f"{{'name', 'template'}} objects, got {value!r:.80}")

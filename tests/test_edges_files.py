@@ -287,6 +287,40 @@ def test_chat_template_that_overflows_the_sandbox_is_named(tmp_path, capsys):
     assert "the checkpoint's chat template failed to render" in err and "OverflowError" in err
 
 
+def test_tokenizer_files_of_a_directory_are_checked_by_name(tmp_path):
+    """tokenizer.json with a damaged vocabulary, a tokenizer_config.json that is not an object (it used to end
+    in AttributeError), a chat template that is not UTF-8; and transformers' list of named templates works."""
+    from diffusiongemma.checkpoint import load_text_side
+
+    model = _checkpoint_with(tmp_path)
+    tokenizer_json = os.path.join(model, "tokenizer.json")
+    original = open(tokenizer_json, encoding="utf-8").read()
+    data = json.loads(original)
+    data["model"]["vocab"] = {("tj" if k == "th" else k): v for k, v in data["model"]["vocab"].items()}
+    open(tokenizer_json, "w", encoding="utf-8").write(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json' is not a valid tokenizers file \(its vocabulary "
+                                              r"is damaged\): .*out of vocabulary"):
+        load_text_side(model)
+    open(tokenizer_json, "w", encoding="utf-8").write(original)
+
+    config_file = os.path.join(model, "tokenizer_config.json")
+    config = json.load(open(config_file, encoding="utf-8"))
+    json.dump([config], open(config_file, "w"))
+    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json' must hold a JSON object, got list"):
+        load_text_side(model)
+    config["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "<{{ "
+                                                                       "messages[0].content }}>"}]
+    json.dump(config, open(config_file, "w"))
+    assert load_text_side(model).apply_chat_template("hi") == "<hi>"
+    config["chat_template"] = 7
+    json.dump(config, open(config_file, "w"))
+    with pytest.raises(CheckpointError, match=r"chat_template must be a string or a list .* got 7"):
+        load_text_side(model)
+    open(os.path.join(model, "chat_template.jinja"), "wb").write(b"\xff{{ x }}")
+    with pytest.raises(CheckpointError, match=r"chat_template\.jinja' is not UTF-8 text"):
+        load_text_side(model)
+
+
 # ================================================================================================ GGUF export
 def test_gguf_export_keeps_the_umask(tmp_path):
     old = os.umask(0o022)
