@@ -17,15 +17,23 @@ Prints (every number at settings that are the same for every checkpoint, so two 
   that follows the chapter text before it (up to 224 tokens), CE on the verse's own tokens only;
 * a unigram baseline: the entropy (nats/token) of the training-split token frequencies;
 * samples from ``model.generate`` with one sampler setting for all models (the checkpoint's
-  generation_config.json, with ``max_new_tokens`` forced to ``--max-new-tokens``, 256 by default): per
-  sample the canvases written, the decoder steps per canvas, tokens per decoder forward, whether it
-  ended with <eos>, and over all samples the share of generated words that are real corpus words (any
-  verse, case-insensitive);
-* the default run ``"And God said"`` over ``--seeds`` seeds: how many canvases each writes.
+  generation_config.json, with ``max_new_tokens`` forced to ``--max-new-tokens``, 256 by default) for
+  twelve prompts (the README's, five classics, ``--samples`` from the test books) and for the default run
+  ``"And God said"`` with seeds 0..``--seeds``-1: per sample the canvases written, the decoder steps per
+  canvas, tokens per decoder forward, whether it ended with <eos>; over all samples the share of generated
+  words that are corpus words (any verse, case-insensitive) and the share of generated word bigrams
+  (consecutive words) that occur in the running text, beside what a unigram model of the words scores.
+
+``--baseline OLD --candidate NEW`` evaluates both and prints (``--markdown FILE`` also writes) one table
+with a column per model, then each model's ten default-run samples, ready for examples/README.md.
+``--device cuda`` runs the losses and the sampling on a GPU (fp32 weights; the numbers differ from the
+CPU's by rounding and, for samples, by the GPU's random streams).
 
 Usage::
 
     OMP_NUM_THREADS=1 python examples/evaluate_tiny.py --model diffusiongemma/assets/tiny-kjv --json out.json
+    python examples/evaluate_tiny.py --baseline diffusiongemma/assets/tiny-kjv --candidate NEW \
+        --markdown eval.md --json eval.json
 """
 
 from __future__ import annotations
@@ -73,20 +81,23 @@ def canvas_ce(model, x, valid, P, R, noise):
     from transformers import DynamicCache
 
     C, W = model.config.canvas_length, model.config.text_config.sliding_window
+    dev = next(model.parameters()).device  # the batch is built on the CPU; the model may sit on a GPU
+    x, valid, P, R = (t.to(dev) for t in (x, valid, P, R))
+    noise = {k: v.to(dev) for k, v in noise.items()}
     k = TT.select_canvas(noise["u_blk"], TT.num_canvases(R, C))
     y = TT.canvas_targets(x, P, R, k, C)
-    fill = (k[:, None] * C + torch.arange(C)[None, :]) >= R[:, None]
+    fill = (k[:, None] * C + torch.arange(C, device=dev)[None, :]) >= R[:, None]
     x_noisy, _ = TT.corrupt(y, TT.time_from_uniform(noise["u_t"]), noise["u_cor"], noise["r"])
     L = P + k * C
     kw = dict(decoder_input_ids=x_noisy, decoder_attention_mask=TT.decoder_masks(L, valid, C, W),
-              decoder_position_ids=L[:, None] + torch.arange(C)[None, :])
+              decoder_position_ids=L[:, None] + torch.arange(C, device=dev)[None, :])
     enc = model.model.encoder(input_ids=x, attention_mask=valid.long(), cache=DynamicCache())
     ar = TT.ar_loss(TT.softcap_logits(model, enc.last_hidden_state), x, valid)
     z1 = model(cache=enc.cache, **kw).logits
     z = model(cache=enc.cache, self_conditioning_logits=z1, self_conditioning_mask=TT.self_cond_mask(noise["u_sc"]),
               **kw).logits
-    ce = torch.nn.functional.cross_entropy(z.transpose(1, 2), y, reduction="none")  # (B, C)
-    return ce, fill, ar.item()
+    ce = torch.nn.functional.cross_entropy(z.float().transpose(1, 2), y, reduction="none")  # (B, C)
+    return ce.cpu(), fill.cpu(), ar.item()
 
 
 def heldout_losses(model, plain, spaced, batches: int, batch_size: int, seed: int, t_fixed=None) -> dict:
@@ -212,9 +223,10 @@ class CountingStreamer:
 @torch.no_grad()
 def sample(model, tokenizer, prompt: str, seed: int, max_new_tokens: int) -> dict:
     """Generate a continuation of ``prompt`` (with <bos>) under ``torch.manual_seed(seed)`` with the
-    checkpoint's sampler settings and ``max_new_tokens``. Returns dict(text, tokens_per_forward, eos,
-    canvases, steps (per canvas))."""
-    ids = torch.tensor([[TT.BOS_ID] + tokenizer.encode(prompt, add_special_tokens=False).ids])
+    checkpoint's sampler settings and ``max_new_tokens``, on the model's device. Returns dict(text,
+    tokens_per_forward, eos, canvases, steps (per canvas))."""
+    dev = next(model.parameters()).device
+    ids = torch.tensor([[TT.BOS_ID] + tokenizer.encode(prompt, add_special_tokens=False).ids], device=dev)
     torch.manual_seed(seed)
     streamer = CountingStreamer()
     out = model.generate(ids, max_new_tokens=max_new_tokens, streamer=streamer)
@@ -227,13 +239,194 @@ def sample(model, tokenizer, prompt: str, seed: int, max_new_tokens: int) -> dic
                 eos=ended, canvases=len(streamer.steps), steps=streamer.steps)
 
 
-def main(argv=None) -> dict:
+def words_of(text: str) -> list:
+    """Lower-cased words (letters, one inner apostrophe allowed) of ``text``, in order."""
+    return [w.lower() for w in WORD.findall(text)]
+
+
+def corpus_bigrams(data_dir: Path) -> set:
+    """Every pair of consecutive words of the running text (``kjv_chapters_*.txt``, train and test: a
+    chapter's verses follow one another, so a verse's last word and the next one's first form a pair)."""
+    pairs = set()
+    for split in ("train", "test"):
+        for line in (data_dir / f"kjv_chapters_{split}.txt").read_text(encoding="utf-8").splitlines():
+            w = words_of(line)
+            pairs.update(zip(w, w[1:]))
+    return pairs
+
+
+def word_measures(texts: list, words: set, bigrams: set) -> dict:
+    """Over the generated ``texts``: the share of words that are corpus words and the share of word
+    bigrams (consecutive words inside one text) that occur in the corpus; nan when there are none."""
+    ws = [words_of(t) for t in texts]
+    flat = [w for x in ws for w in x]
+    pairs = [p for x in ws for p in zip(x, x[1:])]
+    return dict(real_word_share=float(np.mean([w in words for w in flat])) if flat else float("nan"),
+                bigram_share=float(np.mean([p in bigrams for p in pairs])) if pairs else float("nan"),
+                generated_words=len(flat), generated_bigrams=len(pairs))
+
+
+def unigram_word_reference(data_dir: Path, bigrams: set, n: int = 20000, seed: int = 0) -> float:
+    """The bigram share a unigram model of the corpus words would score: pairs of words drawn
+    independently by their corpus frequency (``n`` pairs, fixed seed). A model that writes sentences
+    scores well above it."""
+    text = "\n".join((data_dir / f"kjv_chapters_{s}.txt").read_text(encoding="utf-8") for s in ("train", "test"))
+    vocab, counts = np.unique(np.asarray(words_of(text)), return_counts=True)
+    rng = np.random.default_rng(seed)
+    a = rng.choice(vocab, size=n, p=counts / counts.sum())
+    b = rng.choice(vocab, size=n, p=counts / counts.sum())
+    return float(np.mean([(x, y) in bigrams for x, y in zip(a, b)]))
+
+
+def load_model(path: str, device: str = "cpu"):
+    """The checkpoint as transformers' ``DiffusionGemmaForBlockDiffusion`` in fp32 (bf16 files widen
+    exactly), in eval mode, on ``device``, with its tokenizer."""
     from tokenizers import Tokenizer
     from transformers import DiffusionGemmaForBlockDiffusion
 
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a checkpoint folder (no config.json)")
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).to(device)
+    model.eval()
+    return model, Tokenizer.from_file(str(p / "tokenizer.json"))
+
+
+def evaluate(path: str, data: Path, args, device: str = "cpu", say=print) -> dict:
+    """Every measure of one checkpoint (see the module docstring), as a dict; prints as it goes."""
+    model, tokenizer = load_model(path, device)
+    if args.steps:
+        model.generation_config.max_denoising_steps = args.steps
+    C = model.config.canvas_length
+    test_chapters = TT.load_chapters(str(data), "test", tokenizer)
+    test_plain, test_spaced = TT.load_verses(str(data), "test", tokenizer)
+    train_plain, _ = TT.load_verses(str(data), "train", tokenizer)
+    n_params = sum(p.numel() for n, p in model.named_parameters() if "vision" not in n)
+    res = {"model": str(path), "text_params": n_params, "canvas_length": C,
+           "weights_dtype": str(json.loads((Path(path) / "config.json").read_text()).get("dtype", "?")),
+           "generation_config": model.generation_config.to_dict()}
+    res["unigram_entropy"] = unigram_entropy(train_plain, model.config.text_config.vocab_size)
+    say(f"== {path}: {n_params / 1e6:.2f} M text parameters")
+    say(f"unigram baseline CE          {res['unigram_entropy']:.4f} nats/token")
+    if not args.no_losses:
+        h = heldout_running(model, test_chapters, args.batches, args.batch_size, args.seed)
+        res["running"] = h
+        say(f"held-out running text, canvas CE (t ~ U(0.001, 1), self-cond coin; {h['positions']} positions)")
+        say(f"  all positions              {h['all']:.4f}")
+        say(f"  real tokens                {h['tokens']:.4f}   (context <= 48: {h['short_context']:.4f}, "
+            f">= 128: {h['long_context']:.4f})")
+        say(f"  <eos> fill (chapter end)   {h['fill']:.4f}   ({h['fill_positions']} positions)")
+        say(f"  encoder AR CE              {h['ar']:.4f}")
+        for t in (0.25, 0.5, 0.75, 0.999) if args.fixed_t else ():
+            d = heldout_running(model, test_chapters, args.batches, args.batch_size, args.seed, t)
+            res[f"running_t{t}"] = d
+            say(f"  at t={t:<5} real tokens     {d['tokens']:.4f}")
+        v = heldout_losses(model, test_plain, test_spaced, max(1, args.batches // 2), args.batch_size, args.seed)
+        res["verses"] = v
+        say(f"held-out verses, canvas CE: real verse tokens {v['tokens']:.4f}, <eos> fill {v['fill']:.4f}, "
+            f"all {v['all']:.4f}, encoder AR {v['ar']:.4f}")
+        vc = heldout_verses_in_context(model, verses_in_context(data, tokenizer), args.batch_size, args.seed)
+        res["verses_in_context"] = vc
+        say(f"held-out verses in their chapter context, canvas CE on verse tokens {vc['tokens']:.4f} "
+            f"({vc['verses']} verses, {vc['positions']} positions)")
+
+    words, bigrams = corpus_words(data), corpus_bigrams(data)
+    rng = np.random.default_rng(args.seed)
+    prompts = [DEFAULT_PROMPT] + list(PROMPTS)
+    for i in rng.choice(len(test_chapters), size=args.samples, replace=True) if args.samples else ():
+        ch = test_chapters[i]
+        j = int(rng.integers(0, max(1, len(ch) - 64)))
+        words4 = tokenizer.decode(ch[j:j + 40].tolist()).split()[1:5]  # skip a possibly cut first word
+        prompts.append(" ".join(words4))
+    samples = []
+    for j, p in enumerate(prompts if args.samples >= 0 else ()):
+        s = sample(model, tokenizer, p, args.seed + j, args.max_new_tokens)
+        s["prompt"] = p
+        samples.append(s)
+        t = s["text"]
+        say(f"\n[{p}] ->{'' if t.startswith(' ') else ' '}{t}{'  <eos>' if s['eos'] else ''}\n"
+            f"   ({s['canvases']} canvases, steps {s['steps']}, tokens/forward {s['tokens_per_forward']:.2f})")
+    runs = []
+    for seed in range(args.seeds):
+        s = sample(model, tokenizer, DEFAULT_PROMPT, seed, args.max_new_tokens)
+        runs.append(dict(seed=seed, text=s["text"], canvases=s["canvases"], eos=s["eos"], steps=s["steps"],
+                         tokens_per_forward=s["tokens_per_forward"]))
+    all_ = samples + runs
+    steps = [n for s in all_ for n in s["steps"]]
+    res.update(samples=samples, default_runs=runs, planned_canvases=-(-args.max_new_tokens // C),
+               mean_tokens_per_forward=float(np.mean([s["tokens_per_forward"] for s in all_])) if all_ else float("nan"),
+               mean_steps_per_canvas=float(np.mean(steps)) if steps else float("nan"),
+               mean_canvases=float(np.mean([s["canvases"] for s in runs])) if runs else float("nan"),
+               eos_runs=sum(r["eos"] for r in runs),
+               **word_measures([s["text"] for s in all_], words, bigrams))
+    say(f"\nmean tokens per forward      {res['mean_tokens_per_forward']:.3f}")
+    say(f"mean steps per canvas        {res['mean_steps_per_canvas']:.2f} (of {model.generation_config.max_denoising_steps})")
+    say(f"real corpus words            {res['real_word_share']:.3f} of {res['generated_words']} generated words")
+    say(f"corpus word bigrams          {res['bigram_share']:.3f} of {res['generated_bigrams']} generated bigrams")
+    say(f"'{DEFAULT_PROMPT}', seeds 0..{args.seeds - 1}: canvases {[r['canvases'] for r in runs]} of "
+        f"{res['planned_canvases']}, ended with <eos> {res['eos_runs']}/{len(runs)}")
+    for r in runs:
+        say(f"  seed {r['seed']}: {DEFAULT_PROMPT}{r['text']}")
+    return res
+
+
+def _f(x, nd=3) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and not np.isfinite(x)) else f"{x:.{nd}f}"
+
+
+def markdown(results: list, data: Path, args, chars: int = 240) -> str:
+    """The measures of one or more checkpoints side by side (``results``: list of (label, dict)), then
+    the samples of the default command for seeds 0.. of each, as markdown."""
+    bigrams = corpus_bigrams(data)
+    uni = unigram_word_reference(data, bigrams)
+    head = "| measure | " + " | ".join(label for label, _ in results) + " |"
+    rule = "|---|" + "---:|" * len(results)
+    rows = []
+
+    def row(name, fn):
+        rows.append(f"| {name} | " + " | ".join(fn(r) for _, r in results) + " |")
+
+    row("model", lambda r: f"{r['text_params'] / 1e6:.2f} M params, {r['weights_dtype']}")
+    if not args.no_losses:
+        row("held-out running text: canvas CE on real tokens (nats/token, lower is better)",
+            lambda r: _f(r["running"]["tokens"]))
+        row("held-out verses in their chapter context: canvas CE", lambda r: _f(r["verses_in_context"]["tokens"]))
+        row("held-out running text: encoder AR CE", lambda r: _f(r["running"]["ar"]))
+        row("unigram baseline CE (token frequencies)", lambda r: _f(r["unigram_entropy"]))
+    row("generated word bigrams found in the corpus", lambda r: f"{_f(r['bigram_share'])} (of {r['generated_bigrams']})")
+    row("generated words that are corpus words", lambda r: f"{_f(r['real_word_share'])} (of {r['generated_words']})")
+    row(f"`{DEFAULT_PROMPT}`, seeds 0-{args.seeds - 1}: canvases filled per run",
+        lambda r: " ".join(str(x["canvases"]) for x in r["default_runs"]) + f" (of {r['planned_canvases']})")
+    row("mean canvases per run", lambda r: _f(r["mean_canvases"], 2))
+    row("runs ending in `<eos>`", lambda r: f"{r['eos_runs']}/{len(r['default_runs'])}")
+    row("tokens per decoder forward", lambda r: _f(r["mean_tokens_per_forward"], 2))
+    out = [head, rule, *rows, "",
+           f"Reference point: word pairs drawn independently by corpus frequency (a unigram model of the "
+           f"words) are corpus bigrams {uni:.3f} of the time. Measured with transformers' `generate` and "
+           f"each checkpoint's `generation_config.json` ({args.max_new_tokens} new tokens), on "
+           f"{len(results[0][1]['samples']) + len(results[0][1]['default_runs'])} samples per model: "
+           f"the {len(results[0][1]['samples'])} prompts of `evaluate_tiny.py` and `{DEFAULT_PROMPT}` "
+           f"with seeds 0-{args.seeds - 1}.", ""]
+    for label, r in results:
+        out.append(f"Samples, {label} (`{DEFAULT_PROMPT}`, `torch.manual_seed(seed)`, first {chars} characters):")
+        out.append("")
+        out.append("```")
+        for x in r["default_runs"]:
+            t = (DEFAULT_PROMPT + x["text"]).replace("\n", " ")
+            t = t if len(t) <= chars else t[:chars] + " …"
+            out.append(f"seed {x['seed']} ({x['canvases']} canvases{', <eos>' if x['eos'] else ''}): {t}")
+        out.append("```")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(HERE.parent / "diffusiongemma" / "assets" / "tiny-kjv"))
+    ap.add_argument("--model", default="", help="one checkpoint to evaluate (default: the shipped tiny-kjv)")
+    ap.add_argument("--baseline", default="", help="the old checkpoint, shown beside --candidate")
+    ap.add_argument("--candidate", default="", help="the new checkpoint")
     ap.add_argument("--data-dir", default=str(HERE / "data"))
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (auto: cuda when available)")
     ap.add_argument("--batches", type=int, default=16, help="held-out batches per loss figure")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--samples", type=int, default=6, help="extra prompts taken from held-out chapters")
@@ -243,87 +436,33 @@ def main(argv=None) -> dict:
     ap.add_argument("--fixed-t", action="store_true", help="also canvas CE at t = 0.25/0.5/0.75/0.999")
     ap.add_argument("--no-losses", action="store_true", help="samples only (the losses need no sampler)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--sample-chars", type=int, default=240, help="characters of each sample in --markdown")
     ap.add_argument("--json", default="", help="also write the numbers to this file")
+    ap.add_argument("--markdown", default="", help="also write the comparison table and samples here")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-
+    torch.set_num_threads(args.threads)
+    device = TT.pick_device(args.device).type
     data = Path(args.data_dir)
-    tokenizer = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(args.model, dtype=torch.float32)
-    model.eval()
-    if args.steps:
-        model.generation_config.max_denoising_steps = args.steps
-    C = model.config.canvas_length
-    test_chapters = TT.load_chapters(str(data), "test", tokenizer)
-    test_plain, test_spaced = TT.load_verses(str(data), "test", tokenizer)
-    train_plain, _ = TT.load_verses(str(data), "train", tokenizer)
-
-    res = {"model": args.model, "canvas_length": C, "generation_config": model.generation_config.to_dict()}
-    res["unigram_entropy"] = unigram_entropy(train_plain, model.config.text_config.vocab_size)
-    print(f"unigram baseline CE          {res['unigram_entropy']:.4f} nats/token")
-    if not args.no_losses:
-        h = heldout_running(model, test_chapters, args.batches, args.batch_size, args.seed)
-        res["running"] = h
-        print(f"held-out running text, canvas CE (t ~ U(0.001, 1), self-cond coin; {h['positions']} positions)")
-        print(f"  all positions              {h['all']:.4f}")
-        print(f"  real tokens                {h['tokens']:.4f}   (context <= 48: {h['short_context']:.4f}, "
-              f">= 128: {h['long_context']:.4f})")
-        print(f"  <eos> fill (chapter end)   {h['fill']:.4f}   ({h['fill_positions']} positions)")
-        print(f"  encoder AR CE              {h['ar']:.4f}")
-        for t in (0.25, 0.5, 0.75, 0.999) if args.fixed_t else ():
-            d = heldout_running(model, test_chapters, args.batches, args.batch_size, args.seed, t)
-            res[f"running_t{t}"] = d
-            print(f"  at t={t:<5} real tokens     {d['tokens']:.4f}")
-        v = heldout_losses(model, test_plain, test_spaced, args.batches // 2, args.batch_size, args.seed)
-        res["verses"] = v
-        print(f"held-out verses, canvas CE: real verse tokens {v['tokens']:.4f}, <eos> fill {v['fill']:.4f}, "
-              f"all {v['all']:.4f}, encoder AR {v['ar']:.4f}")
-
-        vc = heldout_verses_in_context(model, verses_in_context(data, tokenizer), args.batch_size, args.seed)
-        res["verses_in_context"] = vc
-        print(f"held-out verses in their chapter context, canvas CE on verse tokens {vc['tokens']:.4f} "
-              f"({vc['verses']} verses, {vc['positions']} positions)")
-
-    words = corpus_words(data)
-    rng = np.random.default_rng(args.seed)
-    prompts = [DEFAULT_PROMPT] + list(PROMPTS)
-    for i in rng.choice(len(test_chapters), size=args.samples, replace=True):
-        ch = test_chapters[i]
-        j = int(rng.integers(0, max(1, len(ch) - 64)))
-        words4 = tokenizer.decode(ch[j:j + 40].tolist()).split()[1:5]  # skip a possibly cut first word
-        prompts.append(" ".join(words4))
-    samples, gen_words = [], []
-    for j, p in enumerate(prompts):
-        s = sample(model, tokenizer, p, args.seed + j, args.max_new_tokens)
-        s["prompt"] = p
-        samples.append(s)
-        gen_words += [w.lower() for w in WORD.findall(s["text"])]
-        t = s["text"]
-        print(f"\n[{p}] ->{'' if t.startswith(' ') else ' '}{t}{'  <eos>' if s['eos'] else ''}\n"
-              f"   ({s['canvases']} canvases, steps {s['steps']}, tokens/forward {s['tokens_per_forward']:.2f})")
-    real = float(np.mean([w in words for w in gen_words])) if gen_words else float("nan")
-    steps = [n for s in samples for n in s["steps"]]
-    res.update(samples=samples, mean_tokens_per_forward=float(np.mean([s["tokens_per_forward"] for s in samples])),
-               mean_steps_per_canvas=float(np.mean(steps)), mean_canvases=float(np.mean([s["canvases"] for s in samples])),
-               eos_share=float(np.mean([s["eos"] for s in samples])), real_word_share=real,
-               generated_words=len(gen_words))
-    print(f"\nmean tokens per forward      {res['mean_tokens_per_forward']:.3f}")
-    print(f"mean steps per canvas        {res['mean_steps_per_canvas']:.2f} (of {model.generation_config.max_denoising_steps})")
-    print(f"mean canvases per sample     {res['mean_canvases']:.2f} (of {args.max_new_tokens // C})")
-    print(f"samples ending in <eos>      {sum(s['eos'] for s in samples)}/{len(samples)}")
-    print(f"real corpus words            {real:.3f} of {len(gen_words)} generated words")
-
-    runs = []
-    for seed in range(args.seeds):
-        s = sample(model, tokenizer, DEFAULT_PROMPT, seed, args.max_new_tokens)
-        runs.append(dict(seed=seed, canvases=s["canvases"], eos=s["eos"], steps=s["steps"],
-                         tokens_per_forward=s["tokens_per_forward"]))
-    res["default_runs"] = runs
-    print(f"'{DEFAULT_PROMPT}', seeds 0..{args.seeds - 1}: canvases {[r['canvases'] for r in runs]}, "
-          f"ended with <eos> {sum(r['eos'] for r in runs)}/{len(runs)}")
+    if args.model and (args.baseline or args.candidate):
+        raise SystemExit("give --model, or --baseline and/or --candidate, not both")
+    todo = ([("baseline", args.baseline)] if args.baseline else []) + \
+        ([("candidate", args.candidate)] if args.candidate else [])
+    if not todo:
+        todo = [("model", args.model or str(HERE.parent / "diffusiongemma" / "assets" / "tiny-kjv"))]
+    results = [(f"{label}: `{Path(path).name}`", evaluate(path, data, args, device)) for label, path in todo]
+    md = markdown(results, data, args, args.sample_chars)
+    print("\n" + md)
+    out = {label: r for label, r in results}
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
-    return res
+        tmp = Path(args.json + ".tmp")
+        tmp.write_text(json.dumps(out, indent=1, default=str) + "\n")
+        tmp.replace(args.json)
+    if args.markdown:
+        tmp = Path(args.markdown + ".tmp")
+        tmp.write_text(md + "\n")
+        tmp.replace(args.markdown)
+    return out if len(results) > 1 else results[0][1]
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def chapters(verses: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
         if not text or (book not in HELDOUT_BOOKS and i % TEST_EVERY == TEST_EVERY - 1):
             continue
         cur.append(text)
-    if len(train) + len(test) != 1189:
+    if len(verses) == 31102 and len(train) + len(test) != 1189:
         raise RuntimeError(f"expected 1189 KJV chapters, got {len(train) + len(test)}")
     return train, test
 
@@ -159,13 +159,36 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def read_verses_tsv(path: Path) -> list[tuple[str, str]]:
+    """Verses from a ``<reference>\\t<text>`` file (the format of ``kjv_verses.tsv``), e.g. the small
+    sample ``examples/kjv_sample.tsv`` the tests train on. Raises ValueError naming the file and line when
+    a line has no tab, an empty text or a reference that is not ``<book><chapter>:<verse>``."""
+    verses = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        ref, tab, text = line.partition("\t")
+        if not tab or not text.strip():
+            raise ValueError(f"{path}:{n}: expected '<reference>\\t<text>', got {line[:60]!r}")
+        try:
+            split_ref(ref)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: {e}") from None
+        verses.append((ref, text.strip()))
+    if not verses:
+        raise ValueError(f"{path}: no verses")
+    return verses
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=str(Path(__file__).parent / "data"))
+    ap.add_argument("--verses", default="", help="read the verses from this <reference>\\t<text> file instead "
+                    "of the Debian package (a small sample for tests: examples/kjv_sample.tsv)")
+    ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE,
+                    help="tokenizer ids in total (a small sample cannot fill 4096)")
     args = ap.parse_args(argv)
     data = Path(args.data_dir)
     data.mkdir(parents=True, exist_ok=True)
-    verses = dump_verses(data / "raw")
+    verses = read_verses_tsv(Path(args.verses)) if args.verses else dump_verses(data / "raw")
     _write_atomic(data / "kjv_verses.tsv", "".join(f"{r}\t{t}\n" for r, t in verses))
     train = [t for i, (_, t) in enumerate(verses) if i % TEST_EVERY != TEST_EVERY - 1]
     test = [t for i, (_, t) in enumerate(verses) if i % TEST_EVERY == TEST_EVERY - 1]
@@ -174,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     ch_train, ch_test = chapters(verses)
     _write_atomic(data / "kjv_chapters_train.txt", "\n".join(ch_train) + "\n")
     _write_atomic(data / "kjv_chapters_test.txt", "\n".join(ch_test) + "\n")
-    tok = train_tokenizer(train)
+    tok = train_tokenizer(train, args.vocab_size)
     tok.save(str(data / "tokenizer.json"))
     _write_atomic(data / "tokenizer_config.json", json.dumps(TOKENIZER_CONFIG, indent=1) + "\n")
     print(f"{len(train)} train verses, {len(test)} test verses, tokenizer {tok.get_vocab_size()} ids "

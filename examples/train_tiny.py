@@ -32,21 +32,24 @@ Usage (after ``python examples/prepare_data.py``)::
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import os
-import shutil
-import sys
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+_T_START = time.time()  # the --minutes budget counts from here: imports, data and model setup included
 
-from diffusiongemma.tiny import BOS_ID, EOS_ID, FULL, PAD_ID, SLIDING, TinySpec, hf_config  # noqa: F401
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from diffusiongemma.tiny import BOS_ID, EOS_ID, FULL, PAD_ID, SLIDING, TinySpec, hf_config  # noqa: F401,E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -76,13 +79,39 @@ class ModelSpec(TinySpec):
     canvas_length: int = 32  # C
 
 
+PRESETS = {
+    # the shipped tiny-kjv model (4.20 M text parameters at vocab 4096)
+    "shipped": {},
+    # the largest size the README's first command affords on a 2-core CPU (examples/time_generate.py
+    # measures it: random weights, 256 new tokens, 16 steps per canvas, --backend reference and cpu)
+    "cpu-max": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                    layer_types=[SLIDING, FULL, SLIDING, FULL, SLIDING, FULL], num_attention_heads=4,
+                    num_key_value_heads=2, num_global_key_value_heads=1, head_dim=64, global_head_dim=128,
+                    num_experts=8, top_k_experts=2, sliding_window=32, canvas_length=32),
+    # seconds-sized, for tests/test_train_pipeline.py (every code path, no quality)
+    "test": dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16, layer_types=[SLIDING, FULL],
+                 num_attention_heads=2, num_key_value_heads=1, num_global_key_value_heads=1, head_dim=16,
+                 global_head_dim=16, num_experts=4, top_k_experts=2, sliding_window=8, canvas_length=8),
+}
+
+
+def preset_spec(name: str, vocab_size: int = 4096) -> ModelSpec:
+    """The ``ModelSpec`` of preset ``name`` (a key of ``PRESETS``) with ``vocab_size`` (the tokenizer's).
+    Raises ValueError naming the preset when it is unknown."""
+    if name not in PRESETS:
+        raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {name!r}")
+    return ModelSpec(**{**PRESETS[name], "vocab_size": vocab_size})
+
+
 @dataclass
 class TrainConfig:
-    """Training knobs (defaults are the shipped run)."""
+    """Training knobs (defaults: the shipped running-text run, on the CPU)."""
 
     data_dir: str = str(HERE / "data")  # output of prepare_data.py
     out: str = str(HERE.parent / "diffusiongemma" / "assets" / "tiny-kjv")  # checkpoint directory
-    log: str = str(HERE / "train_log.txt")  # loss log (appended every log_every steps)
+    log: str = str(HERE / "train_log.txt")  # loss log (appended; every line is also printed)
+    preset: str = "shipped"  # model size: a key of PRESETS
+    device: str = "auto"  # auto (cuda when available), cpu or cuda
     batch_size: int = 16  # B
     data: str = "chapters"  # "chapters": running text (make_running_batch); "verses": one verse + EOS
     max_context: int = 224  # chapters: most context tokens before the canvas (prompt is <bos> + these)
@@ -91,20 +120,27 @@ class TrainConfig:
     max_prev_tokens: int = 48  # verses: the previous verse is cut to its last this-many tokens
     p_prev: float = 0.5  # verses: probability that the prompt starts with the previous verse
     lr: float = 3e-3  # peak AdamW learning rate
-    min_lr_frac: float = 0.1  # cosine decays to lr * min_lr_frac at max_minutes
+    min_lr_frac: float = 0.1  # the cosine ends at lr * min_lr_frac
     warmup_steps: int = 200
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     eps: float = 1e-3  # t = eps + (1 - eps) u
     p_self_cond: float = 0.5  # per-example self-conditioning probability
     w_enc: float = 1.0  # weight of the encoder AR co-loss
-    max_minutes: float = 70.0  # wall-clock budget for the whole run
+    minutes: float = 70.0  # wall-clock budget of this process, setup, evaluations and saves included
+    max_steps: int = 0  # 0 = no step limit; else the run ends (and the cosine is scheduled) at this step
+    session_steps: int = 0  # 0 = no limit; else this process stops after this many steps (resumable)
+    schedule_minutes: float = 0.0  # training minutes the cosine spans (0: what the budget leaves)
     save_every_minutes: float = 10.0
     log_every: int = 25
-    max_steps: int = 0  # 0 = no step limit (only the time limit)
+    eval_every: int = 0  # held-out loss every this many steps (0: every eval_every_minutes)
+    eval_every_minutes: float = 5.0
+    eval_batches: int = 4  # held-out batches per evaluation (the same windows every time)
+    storage: str = "fp32"  # dtype of the saved weights: fp32 or bf16 (training always keeps fp32)
     seed: int = 0
-    threads: int = 1  # torch.set_num_threads
-    init_from: str = ""  # continue from this checkpoint's weights (fresh optimizer and schedule); "" = scratch
+    threads: int = 1  # torch.set_num_threads (CPU)
+    init_from: str = ""  # start from this checkpoint's weights (fresh optimizer and schedule); "" = scratch
+    resume: str = ""  # continue a run from its state file (or the checkpoint folder beside it)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -147,7 +183,7 @@ def canvas_targets(x: torch.Tensor, prompt_len: torch.Tensor, resp_len: torch.Te
 
     x int64 (B, S) = [prompt | response | pad]; prompt_len, resp_len, k int64 (B,).
     """
-    off = k[:, None] * canvas + torch.arange(canvas)[None, :]  # (B, C) response offsets
+    off = k[:, None] * canvas + torch.arange(canvas, device=x.device)[None, :]  # (B, C) response offsets
     inside = off < resp_len[:, None]
     idx = torch.where(inside, prompt_len[:, None] + off, torch.zeros_like(off))
     return torch.where(inside, torch.gather(x, 1, idx), torch.full_like(off, eos_id))
@@ -155,7 +191,8 @@ def canvas_targets(x: torch.Tensor, prompt_len: torch.Tensor, resp_len: torch.Te
 
 def time_from_uniform(u_t: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
     """t = eps + (1 - eps) * u in float32 (multiply, then add); u_t float32 (B, 1) -> t float32 (B, 1)."""
-    return torch.tensor(eps, dtype=torch.float32) + torch.tensor(1.0 - eps, dtype=torch.float32) * u_t
+    return (torch.tensor(eps, dtype=torch.float32, device=u_t.device)
+            + torch.tensor(1.0 - eps, dtype=torch.float32, device=u_t.device) * u_t)
 
 
 def corrupt(y: torch.Tensor, t: torch.Tensor, u_cor: torch.Tensor, r: torch.Tensor):
@@ -210,15 +247,16 @@ def decoder_masks(context_len: torch.Tensor, valid: torch.Tensor, canvas: int, w
     canvas keys always visible.
     """
     B, S = valid.shape
-    i = torch.arange(S)[None, :]
+    dev = valid.device
+    i = torch.arange(S, device=dev)[None, :]
     L = context_len[:, None]
     full = (i < L) & (valid != 0)
     slide = full & (i >= L - (window - 1))
     neg = torch.finfo(dtype).min
     out = {}
     for name, keep in ((FULL, full), (SLIDING, slide)):
-        keep = torch.cat([keep, torch.ones(B, canvas, dtype=torch.bool)], dim=1)  # (B, S + C)
-        m = torch.where(keep, torch.tensor(0.0, dtype=dtype), torch.tensor(neg, dtype=dtype))
+        keep = torch.cat([keep, torch.ones(B, canvas, dtype=torch.bool, device=dev)], dim=1)  # (B, S + C)
+        m = torch.where(keep, torch.tensor(0.0, dtype=dtype, device=dev), torch.tensor(neg, dtype=dtype, device=dev))
         out[name] = m[:, None, None, :].expand(B, 1, canvas, S + canvas)
     return out
 
@@ -247,7 +285,7 @@ def training_forward(model, x, valid, prompt_len, resp_len, noise, eps=1e-3, p_s
     s = self_cond_mask(noise["u_sc"], p_sc)
     L = prompt_len + k * C
     masks = decoder_masks(L, valid, C, W)
-    pos = L[:, None] + torch.arange(C)[None, :]  # (B, C) absolute canvas positions
+    pos = L[:, None] + torch.arange(C, device=x.device)[None, :]  # (B, C) absolute canvas positions
 
     enc = model.model.encoder(input_ids=x, attention_mask=valid.long(), cache=DynamicCache())
     ar = ar_loss(softcap_logits(model, enc.last_hidden_state), x, valid, ar_reduction)
@@ -366,19 +404,29 @@ def generation_defaults(spec: ModelSpec) -> dict:
                 eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=BOS_ID)
 
 
-def save_checkpoint(model, out: str, tokenizer_path: Path, spec: ModelSpec, meta: dict) -> None:
-    """Write model (safetensors, fp32), tokenizer.json (+ tokenizer_config.json when the data folder has
-    one), generation_config.json and train_meta.json to
-    ``out`` through a sibling temporary directory, then swap it in (no half-written checkpoint)."""
+def save_checkpoint(model, out: str, tokenizer_path: Path, spec: ModelSpec, meta: dict,
+                    storage: str = "fp32") -> float:
+    """Write model (safetensors in ``storage``: "fp32" or "bf16"), tokenizer.json (+ tokenizer_config.json
+    when the data folder has one), generation_config.json and train_meta.json to ``out`` through a
+    sibling temporary directory, then swap it in (no half-written checkpoint). The model in memory is not
+    changed (bf16 storage saves a rounded copy). Returns the seconds it took."""
+    import copy
+
     from transformers import GenerationConfig
 
+    t0 = time.time()
+    if storage not in ("fp32", "bf16"):
+        raise ValueError(f"--storage must be fp32 or bf16, got {storage!r}")
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     model.generation_config = GenerationConfig(**generation_defaults(spec))
-    model.save_pretrained(tmp)
+    if storage == "bf16":
+        copy.deepcopy(model).to("cpu", torch.bfloat16).save_pretrained(tmp)
+    else:
+        model.save_pretrained(tmp)
     shutil.copy(tokenizer_path, tmp / "tokenizer.json")
     if (tokenizer_path.parent / "tokenizer_config.json").exists():
         shutil.copy(tokenizer_path.parent / "tokenizer_config.json", tmp / "tokenizer_config.json")
@@ -391,6 +439,21 @@ def save_checkpoint(model, out: str, tokenizer_path: Path, spec: ModelSpec, meta
     tmp.rename(out)
     if old.exists():
         shutil.rmtree(old)
+    return time.time() - t0
+
+
+def state_path(out: str) -> Path:
+    """Where a run keeps its resumable state: ``<out>.train_state.pt`` beside the checkpoint folder (not
+    inside it, so the checkpoint stays the few files a user needs)."""
+    out = Path(out)
+    return out.with_name(out.name + ".train_state.pt")
+
+
+def save_state(path: Path, state: dict) -> None:
+    """``torch.save`` through a temporary file, then rename (a stopped run leaves the old state whole)."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -407,19 +470,20 @@ def data_split(data: str) -> dict:
     spec.loader.exec_module(pd)
     test_verses = f"every {pd.TEST_EVERY}th verse (verse index i % {pd.TEST_EVERY} == {pd.TEST_EVERY - 1})"
     if data == "chapters":
-        return dict(train="examples/data/kjv_chapters_train.txt: every chapter outside the held-out books, "
+        return dict(train="kjv_chapters_train.txt: every chapter outside the held-out books, "
                           "its verses joined by spaces, without the test verses",
                     heldout_books=list(pd.HELDOUT_BOOKS), heldout_verses=test_verses,
                     eos="only where a chapter ends (the canvas fill after its last token)")
-    return dict(train="examples/data/kjv_train.txt: one verse per example", heldout_verses=test_verses,
+    return dict(train="kjv_train.txt: one verse per example", heldout_verses=test_verses,
                 eos="after every verse")
 
 
-def lr_at(cfg: TrainConfig, step: int, frac_time: float) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine (in elapsed wall-clock fraction) to min_lr."""
+def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
+    """Linear warmup over ``warmup_steps``, then a cosine from ``lr`` to ``lr * min_lr_frac`` over
+    ``progress`` in [0, 1] (the share of the planned steps or training time that has passed)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = min(max(frac_time, 0.0), 1.0)
+    frac = min(max(progress, 0.0), 1.0)
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
@@ -432,34 +496,148 @@ def build_model(spec: ModelSpec, seed: int):
                                                         attn_implementation="eager")
 
 
-def train(cfg: TrainConfig, spec: ModelSpec) -> None:
-    """Run the training loop until ``max_minutes`` / ``max_steps``; checkpoint periodically and at end."""
+def text_params(spec: ModelSpec) -> int:
+    """Parameters of a model of ``spec`` outside the vision tower (built on the meta device: no memory)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    with torch.device("meta"):
+        model = DiffusionGemmaForBlockDiffusion._from_config(hf_config(spec), dtype=torch.float32)
+    return sum(p.numel() for n, p in model.named_parameters() if "vision" not in n)
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto``: cuda when torch sees a GPU, else cpu; ``cuda`` without a GPU is an error."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resume_file(path: str) -> Path:
+    """The state file named by ``--resume``: the file itself, or the one beside a checkpoint folder."""
+    p = Path(path)
+    if p.is_dir():
+        p = state_path(str(p))
+    if not p.is_file():
+        raise FileNotFoundError(f"--resume {path}: no training state at {p}")
+    return p
+
+
+class Budget:
+    """The wall-clock budget of one process: ``minutes`` from ``t0``. ``allows(seconds)`` says whether
+    something estimated to take ``seconds`` still fits while keeping ``reserve`` seconds (the final
+    evaluation and save, with a margin) for the end."""
+
+    def __init__(self, minutes: float, t0: float):
+        self.t0, self.deadline = t0, t0 + minutes * 60
+        self.reserve = 0.0
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def allows(self, seconds: float) -> bool:
+        return self.left() - self.reserve >= seconds
+
+
+def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = None) -> dict:
+    """Train until ``max_steps``, ``session_steps`` or the ``minutes`` budget, whichever comes first;
+    log training losses every ``log_every`` steps and held-out losses at the start, every
+    ``eval_every`` steps (or ``eval_every_minutes``) and at the end; checkpoint every
+    ``save_every_minutes`` and at the end (model folder ``out`` and its resumable state file, see
+    ``state_path``). ``spec`` None: ``cfg.preset`` with the tokenizer's vocabulary. ``t0`` is when the
+    budget started (default: now). Returns a summary dict (steps, minutes, last losses, stop reason).
+
+    With ``resume``, the run's saved settings are used except the budget, session limit, device, log,
+    output folder and evaluation/save cadence given now; the model, optimizer, step, learning-rate
+    schedule, data sampler and noise generator continue where the state left them, so on one device an
+    interrupted run gives the same weights as an uninterrupted one."""
     from tokenizers import Tokenizer
 
+    t0 = time.time() if t0 is None else t0
+    budget = Budget(cfg.minutes, t0)
+    state = None
+    if cfg.resume:
+        state = torch.load(resume_file(cfg.resume), map_location="cpu", weights_only=False)
+        saved = dict(state["cfg"])
+        for k in ("minutes", "session_steps", "device", "log", "out", "resume", "save_every_minutes",
+                  "eval_every", "eval_every_minutes", "log_every", "threads", "max_steps"):
+            saved[k] = getattr(cfg, k)
+        cfg = TrainConfig(**saved)
+        spec = ModelSpec(**state["spec"])
+    device = pick_device(cfg.device)
+    cuda = device.type == "cuda"
     torch.set_num_threads(cfg.threads)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     tok_path = Path(cfg.data_dir) / "tokenizer.json"
+    if not tok_path.exists():
+        raise FileNotFoundError(f"{tok_path} missing: run examples/prepare_data.py first")
     tokenizer = Tokenizer.from_file(str(tok_path))
+    spec = spec or preset_spec(cfg.preset, tokenizer.get_vocab_size())
     if tokenizer.get_vocab_size() != spec.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} ids, model {spec.vocab_size}")
+        raise ValueError(f"tokenizer {tok_path} has {tokenizer.get_vocab_size()} ids, model {spec.vocab_size}")
     if cfg.data == "chapters":
         chapters = load_chapters(cfg.data_dir, "train", tokenizer)
+        test_chapters = load_chapters(cfg.data_dir, "test", tokenizer)
     elif cfg.data == "verses":
         plain, spaced = load_verses(cfg.data_dir, "train", tokenizer)
+        test_plain, test_spaced = load_verses(cfg.data_dir, "test", tokenizer)
     else:
         raise ValueError(f"--data must be 'chapters' or 'verses', got {cfg.data!r}")
-    if cfg.init_from:
+    if cfg.storage not in ("fp32", "bf16"):
+        raise ValueError(f"--storage must be fp32 or bf16, got {cfg.storage!r}")
+
+    def next_batch(rng_):
+        if cfg.data == "chapters":
+            return make_running_batch(rng_, chapters, cfg.batch_size, spec.canvas_length, cfg.max_context,
+                                      cfg.short_context, cfg.p_short)
+        return make_batch(rng_, plain, spaced, cfg.batch_size, cfg.max_prev_tokens, cfg.p_prev)
+
+    # held-out windows and their noise: drawn once from a fixed seed, the same at every evaluation
+    ev_rng, ev_gen = np.random.default_rng(10_000 + cfg.seed), torch.Generator().manual_seed(10_000 + cfg.seed)
+    heldout = []
+    for _ in range(cfg.eval_batches):
+        if cfg.data == "chapters":
+            b = make_running_batch(ev_rng, test_chapters, cfg.batch_size, spec.canvas_length, cfg.max_context,
+                                   cfg.short_context, cfg.p_short)
+        else:  # neighbours in the verse test split are 50 verses apart: no previous-verse context
+            b = make_batch(ev_rng, test_plain, test_spaced, cfg.batch_size, cfg.max_prev_tokens, 0.0)
+        heldout.append((b, draw_noise(ev_gen, cfg.batch_size, spec.canvas_length, spec.vocab_size)))
+
+    if state is not None:
+        model = build_model(spec, cfg.seed)
+        model.load_state_dict(state["model"])
+    elif cfg.init_from:
         from transformers import DiffusionGemmaForBlockDiffusion
 
         model = DiffusionGemmaForBlockDiffusion.from_pretrained(cfg.init_from, dtype=torch.float32,
                                                                 attn_implementation="eager")
+        if model.config.text_config.vocab_size != spec.vocab_size:
+            raise ValueError(f"--init-from {cfg.init_from}: vocab {model.config.text_config.vocab_size}, "
+                             f"tokenizer {spec.vocab_size}")
     else:
         model = build_model(spec, cfg.seed)
+    model.to(device)
     model.train()
     n_params = sum(p.numel() for n, p in model.named_parameters() if "vision" not in n)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     rng = np.random.default_rng(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
+    step, train_s, schedule_s, evals = 0, 0.0, 0.0, []
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        step, train_s, schedule_s, evals = state["step"], state["train_seconds"], state["schedule_seconds"], state["evals"]
+        rng.bit_generator.state = state["numpy_rng"]
+        gen.set_state(state["noise_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        if cuda and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"])
+    Path(cfg.log).parent.mkdir(parents=True, exist_ok=True)
     log = open(cfg.log, "a", encoding="utf-8")
 
     def say(msg: str) -> None:
@@ -467,62 +645,138 @@ def train(cfg: TrainConfig, spec: ModelSpec) -> None:
         log.write(msg + "\n")
         log.flush()
 
-    say(f"# config {json.dumps(asdict(cfg))}")
-    say(f"# model {json.dumps(asdict(spec))} text params {n_params}")
-    t0 = time.time()
-    last_save = t0
-    budget = cfg.max_minutes * 60
-    step, acc = 0, np.zeros(3)
+    def to_dev(batch, noise):
+        x, valid, P, R = (t.to(device, non_blocking=True) for t in batch)
+        return x, valid, P, R, {k: v.to(device, non_blocking=True) for k, v in noise.items()}
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+
+    @torch.no_grad()
+    def evaluate() -> tuple[dict, float]:
+        te = time.time()
+        model.eval()
+        sums = np.zeros(3)
+        for batch, noise in heldout:
+            x, valid, P, R, nz = to_dev(batch, noise)
+            with autocast():
+                o = training_forward(model, x, valid, P, R, nz, cfg.eps, cfg.p_self_cond, cfg.w_enc)
+            sums += [o["loss"].item(), o["diff"].item(), o["ar"].item()]
+        model.train()
+        m = sums / len(heldout)
+        return dict(step=step, loss=float(m[0]), diff=float(m[1]), ar=float(m[2])), time.time() - te
 
     def meta() -> dict:
-        return dict(step=step, minutes=round((time.time() - t0) / 60, 2), train=asdict(cfg),
-                    model=asdict(spec), text_params=n_params, data_split=data_split(cfg.data),
-                    command="OMP_NUM_THREADS=1 python examples/train_tiny.py " + " ".join(sys.argv[1:]))
+        return dict(step=step, train_minutes=round(train_s / 60, 2), train=asdict(cfg), model=asdict(spec),
+                    text_params=n_params, device=str(device), data_split=data_split(cfg.data),
+                    heldout_losses=evals[-1] if evals else None,
+                    command="python examples/train_tiny.py " + " ".join(sys.argv[1:]))
 
+    def checkpoint() -> float:
+        ts = time.time()
+        save_checkpoint(model, cfg.out, tok_path, spec, meta(), cfg.storage)
+        save_state(state_path(cfg.out), dict(
+            cfg=asdict(cfg), spec=asdict(spec), model={k: v.detach().cpu() for k, v in model.state_dict().items()},
+            optimizer=opt.state_dict(), step=step, train_seconds=train_s, schedule_seconds=schedule_s,
+            evals=evals, numpy_rng=rng.bit_generator.state, noise_rng=gen.get_state(),
+            torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None))
+        return time.time() - ts
+
+    say(f"# {'resume' if state is not None else 'start'} {time.strftime('%Y-%m-%d %H:%M:%S')} device {device}"
+        f"{' (' + torch.cuda.get_device_name(device) + ', bf16 autocast)' if cuda else ''}, budget "
+        f"{cfg.minutes:g} min, {budget.left() / 60:.2f} left after loading")
+    say(f"# config {json.dumps(asdict(cfg))}")
+    say(f"# model {json.dumps(asdict(spec))} text params {n_params}")
+    ev, eval_s = evaluate()
+    if state is None:
+        evals.append(ev)
+    say(f"eval   {step:6d}  heldout loss {ev['loss']:.4f}  diff {ev['diff']:.4f}  ar {ev['ar']:.4f}  "
+        f"({eval_s:.1f} s)")
+    save_s = checkpoint()  # a usable checkpoint from the start; also measures what a save costs
+    say(f"# saved {cfg.out} at step {step} ({save_s:.1f} s)")
+    budget.reserve = 1.5 * (eval_s + save_s) + 2.0  # the final evaluation and save, with a margin
+    if not schedule_s:
+        schedule_s = cfg.schedule_minutes * 60 or max(budget.left() - budget.reserve, 1.0)
+    # until a step has been timed, guess one step as three forwards of a held-out batch
+    step_s, last_save, last_eval, session = 3 * eval_s / len(heldout), time.time(), time.time(), 0
+    acc = torch.zeros(3, device=device)
+    n_acc, stop = 0, "max_steps"
     while True:
-        elapsed = time.time() - t0
-        if elapsed >= budget or (cfg.max_steps and step >= cfg.max_steps):
+        if cfg.max_steps and step >= cfg.max_steps:
+            stop = "max_steps"
             break
-        lr = lr_at(cfg, step, elapsed / budget)
+        if cfg.session_steps and session >= cfg.session_steps:
+            stop = "session_steps"
+            break
+        if not budget.allows(1.5 * step_s):
+            stop = "time budget"
+            break
+        ts = time.time()
+        progress = step / cfg.max_steps if cfg.max_steps else train_s / schedule_s
+        lr = lr_at(cfg, step, progress)
         for g in opt.param_groups:
             g["lr"] = lr
-        if cfg.data == "chapters":
-            x, valid, P, R = make_running_batch(rng, chapters, cfg.batch_size, spec.canvas_length,
-                                                cfg.max_context, cfg.short_context, cfg.p_short)
-        else:
-            x, valid, P, R = make_batch(rng, plain, spaced, cfg.batch_size, cfg.max_prev_tokens, cfg.p_prev)
-        noise = draw_noise(gen, cfg.batch_size, spec.canvas_length, spec.vocab_size)
-        out = training_forward(model, x, valid, P, R, noise, cfg.eps, cfg.p_self_cond, cfg.w_enc)
-        if not torch.isfinite(out["loss"]):
-            raise FloatingPointError(f"non-finite loss at step {step}: {out['loss'].item()}")
+        x, valid, P, R, noise = to_dev(next_batch(rng), draw_noise(gen, cfg.batch_size, spec.canvas_length,
+                                                                   spec.vocab_size))
+        with autocast():
+            out = training_forward(model, x, valid, P, R, noise, cfg.eps, cfg.p_self_cond, cfg.w_enc)
         opt.zero_grad(set_to_none=True)
         out["loss"].backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
+        acc += torch.stack([out["loss"].detach().float(), out["diff"].float(), out["ar"].float()])
+        n_acc += 1
         step += 1
-        acc += [out["loss"].item(), out["diff"].item(), out["ar"].item()]
-        if step % cfg.log_every == 0:
-            m = acc / cfg.log_every
+        session += 1
+        if step % cfg.log_every == 0 or (cfg.max_steps and step == cfg.max_steps):
+            m = (acc / n_acc).tolist()
+            if not all(math.isfinite(v) for v in m):
+                raise FloatingPointError(f"non-finite training loss by step {step}: {m}")
             say(f"step {step:6d}  min {(time.time() - t0) / 60:6.2f}  lr {lr:.2e}  loss {m[0]:.4f}  "
                 f"diff {m[1]:.4f}  ar {m[2]:.4f}")
-            acc[:] = 0
-        if time.time() - last_save >= cfg.save_every_minutes * 60:
-            save_checkpoint(model, cfg.out, tok_path, spec, meta())
+            acc.zero_()
+            n_acc = 0
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.time() - ts
+        train_s += dt
+        step_s = dt if session <= 2 else max(0.9 * step_s + 0.1 * dt, dt)  # the first steps warm up
+        due_eval = (step % cfg.eval_every == 0) if cfg.eval_every else \
+            time.time() - last_eval >= cfg.eval_every_minutes * 60
+        if due_eval and budget.allows(eval_s + step_s):
+            ev, eval_s = evaluate()
+            evals.append(ev)
+            last_eval = time.time()
+            say(f"eval   {step:6d}  heldout loss {ev['loss']:.4f}  diff {ev['diff']:.4f}  ar {ev['ar']:.4f}")
+        if time.time() - last_save >= cfg.save_every_minutes * 60 and budget.allows(save_s + step_s):
+            save_s = checkpoint()
             last_save = time.time()
             say(f"# saved {cfg.out} at step {step}")
-    save_checkpoint(model, cfg.out, tok_path, spec, meta())
-    say(f"# done: {step} steps in {(time.time() - t0) / 60:.2f} min; saved {cfg.out}")
+    if not evals or evals[-1]["step"] != step:
+        ev, _ = evaluate()
+        evals.append(ev)
+        say(f"eval   {step:6d}  heldout loss {ev['loss']:.4f}  diff {ev['diff']:.4f}  ar {ev['ar']:.4f}")
+    checkpoint()
+    minutes = (time.time() - t0) / 60
+    say(f"# done ({stop}): {step} steps, {session} in this process, {minutes:.2f} of {cfg.minutes:g} min; "
+        f"saved {cfg.out} and {state_path(cfg.out).name}")
     log.close()
+    return dict(step=step, session_steps=session, minutes=minutes, stop=stop, evals=evals,
+                out=cfg.out, state=str(state_path(cfg.out)))
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    ap = argparse.ArgumentParser(description="Train a tiny DiffusionGemma on the KJV Bible (CPU or GPU).")
+    defaults = TrainConfig()
+    for name, value in asdict(defaults).items():
+        flags = ["--" + name.replace("_", "-")] + (["--max-minutes"] if name == "minutes" else [])
+        ap.add_argument(*flags, dest=name, type=type(value), default=value)
+    args = ap.parse_args(argv)
+    return TrainConfig(**{k: getattr(args, k) for k in asdict(defaults)})
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Train a tiny DiffusionGemma on the KJV Bible (CPU).")
-    defaults = TrainConfig()
-    for name, value in asdict(defaults).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
-    args = ap.parse_args(argv)
-    cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(defaults)})
-    train(cfg, ModelSpec())
+    train(parse_args(argv), t0=_T_START)
 
 
 if __name__ == "__main__":
