@@ -389,3 +389,42 @@ def test_cli_reference_and_fast_traces_compare_clean(tmp_path, capsys):
     assert main(["compare", ref, cpu, "--full"]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
     assert "RESULT: OK" in out and "encode0.layer3.values" in out and "canvas0.step0.logits" in out
+
+
+def _both(changes):
+    def change(header):
+        for apply in changes:
+            apply(header)
+    return change
+
+
+@pytest.mark.parametrize("sides, change, message", [
+    ("b", set_in(["model", "config", "rms_norm_eps"], 1e-5),
+     "header model.config does not match model.config_hash: the recorded model configuration was altered"),
+    ("ab", set_in(["generation", "t_max"], 0.95),
+     "header generation does not match generation_hash: the recorded generation settings were altered"),
+    ("ab", _both([set_in(["generation_hash"], None), set_in(["generation", "max_denoising_steps"], 2)]),
+     "header generation.max_denoising_steps is 2 but canvas 0 ran 3 steps"),
+    ("ab", _both([set_in(["model", "config"], None), set_in(["model", "config_hash"], None),
+                  set_in(["model", "vocab_size"], 4000)]), "has shape .* but header model.vocab_size is 4000"),
+    ("b", _both([set_in(["model", "config_hash"], None), set_in(["model", "config", "canvas_length"], 16)]),
+     "header model.canvas_length is 32 but model.config.canvas_length is 16"),
+])
+def test_compare_refuses_a_trace_whose_recorded_configuration_was_altered(baseline, tmp_path, capsys, sides, change,
+                                                                           message):
+    """Editing a trace's header after recording went unnoticed when both sides agreed (or the hash was kept)."""
+    a = rewrite(baseline[0], tmp_path / "a.trace", header_change=change if "a" in sides else None)
+    b = rewrite(baseline[0], tmp_path / "b.trace", header_change=change if "b" in sides else None)
+    with pytest.raises(TraceError, match=message):
+        compare(a, b)
+    assert main(["compare", str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and ("altered" in err or "header model." in err), err
+
+
+def test_a_recorded_trace_carries_the_digests_compare_checks(baseline):
+    from diffusiongemma.trace.format import json_digest
+
+    with Trace(baseline[0]) as trace:
+        assert trace.header["generation_hash"] == json_digest(trace.header["generation"])
+        assert trace.header["model"]["config_hash"] == json_digest(trace.header["model"]["config"])

@@ -16,7 +16,8 @@ import numpy as np
 
 from diffusiongemma.reference.support.errors import InputError
 
-from .format import DEFAULT_ATOL, DEFAULT_RTOL, GROUPS, TOPK_PARTS, Trace, TraceError, step_name
+from .format import (DEFAULT_ATOL, DEFAULT_RTOL, GROUPS, TOPK_PARTS, Trace, TraceError,
+                     check_recorded_configuration, step_name)
 from .recorder import summarize_logits
 
 
@@ -179,6 +180,8 @@ def _check_same_run(a: Trace, b: Trace, out: Comparison) -> None:
     only = sorted(set(ga) ^ set(gb))
     if only:
         out.notes.append(f"generation settings recorded by one trace only (not checked): {', '.join(only)}")
+    for trace in (a, b):  # the same settings on both sides, but does each trace still hold what it recorded?
+        check_recorded_configuration(trace)
     for trace in (a, b):
         if trace.header.get("complete") is False:
             out.notes.append(f"{trace.path} is incomplete: its run stopped with an error "

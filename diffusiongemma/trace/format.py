@@ -123,6 +123,9 @@ def _check_header(header: Any, where: str) -> None:
         raise TraceError(f"{where}: header model.config_hash must be null or 'sha256:<hex>', got {digest!r}")
     if not isinstance(header.get("generation", {}), Mapping):
         raise TraceError(f"{where}: header 'generation' must be an object")
+    digest = header.get("generation_hash")
+    if digest is not None and not (isinstance(digest, str) and digest.startswith("sha256:")):
+        raise TraceError(f"{where}: header generation_hash must be null or 'sha256:<hex>', got {digest!r}")
     logits = header.get("logits")
     if not isinstance(logits, Mapping) or logits.get("mode") not in ("full", "topk"):
         raise TraceError(f"{where}: header logits.mode must be 'full' or 'topk', got {logits!r}")
@@ -149,6 +152,60 @@ def _check_header(header: Any, where: str) -> None:
         if name.startswith("draws."):
             raise TraceError(f"{where}: 'draws.*' names are reserved for the draw tape, found {name!r} in the "
                              "run order")
+
+
+def json_digest(value: Any) -> str:
+    """``"sha256:<hex>"`` of ``json.dumps(value, sort_keys=True, separators=(",", ":"))``: the digest of a
+    header's recorded configuration (``model.config_hash`` of ``model.config``, ``generation_hash`` of
+    ``generation``)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+_STEP_NAME = re.compile(r"canvas(\d+)\.step(\d+)\.draft")
+
+
+def check_recorded_configuration(trace: "Trace") -> None:
+    """Refuse (``TraceError`` naming the header field) a trace whose recorded configuration was altered after
+    recording: ``model.config`` that no longer has the digest ``model.config_hash``, ``generation`` that no
+    longer has the digest ``generation_hash`` (both checked when recorded), a model shape that disagrees
+    with ``model.config`` or with the stored tensors (canvas width, vocabulary of full logits), or
+    ``generation.max_denoising_steps`` below the steps a canvas ran."""
+    header, where = trace.header, trace.path
+    model = header["model"]
+    config, digest = model.get("config"), model.get("config_hash")
+    if isinstance(config, Mapping):
+        if digest is not None and json_digest(config) != digest:
+            raise TraceError(f"{where}: header model.config does not match model.config_hash: the recorded model "
+                             "configuration was altered after recording")
+        for key in ("vocab_size", "canvas_length", "hidden_size", "num_hidden_layers"):
+            if key in config and config[key] != model[key]:
+                raise TraceError(f"{where}: header model.{key} is {model[key]!r} but model.config.{key} is "
+                                 f"{config[key]!r}: the recorded configuration was altered after recording")
+    generation = header.get("generation") or {}
+    digest = header.get("generation_hash")
+    if digest is not None and json_digest(generation) != digest:
+        raise TraceError(f"{where}: header generation does not match generation_hash: the recorded generation "
+                         "settings were altered after recording")
+    C, V = model["canvas_length"], model["vocab_size"]
+    logits_full = header["logits"]["mode"] == "full"
+    steps: dict[int, int] = {}
+    for name, shape in trace.shapes.items():
+        if re.fullmatch(r"canvas\d+\.(initial|committed)|canvas\d+\.step\d+\.(draft|canvas)", name):
+            if not shape or shape[-1] != C:
+                raise TraceError(f"{where}: tensor {name!r} has shape {tuple(shape)} but header model.canvas_length "
+                                 f"is {C}")
+        elif logits_full and re.fullmatch(r"canvas\d+\.step\d+\.logits", name) and (not shape or shape[-1] != V):
+            raise TraceError(f"{where}: tensor {name!r} has shape {tuple(shape)} but header model.vocab_size is {V}")
+        match = _STEP_NAME.fullmatch(name)
+        if match:
+            k = int(match.group(1))
+            steps[k] = max(steps.get(k, 0), int(match.group(2)) + 1)
+    limit = generation.get("max_denoising_steps")
+    if isinstance(limit, int) and not isinstance(limit, bool) and steps and max(steps.values()) > limit:
+        k = max(steps, key=steps.get)
+        raise TraceError(f"{where}: header generation.max_denoising_steps is {limit} but canvas {k} ran {steps[k]} "
+                         "steps: the recorded settings were altered after recording")
 
 
 def _check_tensor_set(header: Mapping[str, Any], stored: Mapping[str, tuple], where: str) -> None:

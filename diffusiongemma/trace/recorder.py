@@ -95,8 +95,8 @@ from diffusiongemma.reference.support.errors import InputError
 from diffusiongemma.reference.support.observer import Observer
 
 from .format import (DEFAULT_TOP_K, FORMAT_NAME, FORMAT_VERSION, FULL_LOGITS_MAX_VOCAB, TOPK_PARTS,
-                     _LAYERS_AUTO_BYTES, _SUMMARY_CHUNK_ELEMENTS, TraceError, canvas_name, encode_name, step_name,
-                     write_trace)
+                     _LAYERS_AUTO_BYTES, _SUMMARY_CHUNK_ELEMENTS, TraceError, canvas_name, encode_name, json_digest,
+                     step_name, write_trace)
 
 
 # ================================================================================================ helpers
@@ -287,6 +287,7 @@ class TraceRecorder(Observer):
             "logits": {"mode": self.logits_mode, "top_k": self.top_k if self.logits_mode == "topk" else None},
             "layers": self.layers,
         }
+        self.header["generation_hash"] = json_digest(self.header["generation"])  # compare checks it
         self._add("prompt.input_ids", "prompt", "exact", ids.astype(np.int64))
         if attention_mask is not None:
             self._add("prompt.attention_mask", "prompt", "exact", np.asarray(attention_mask).astype(np.int64))
