@@ -106,8 +106,9 @@ def visibility_data(prompt_length: int = 9, window: int = 4, canvas_length: int 
     real = np.ones((1, L), dtype=bool)
     panels = {}
     for kind, w in (("sliding", W), ("full", None)):
+        visible = encoder_visibility(positions, positions, real, w)[0]  # (L, L)
         panels[f"encoder {kind}"] = {"queries": positions.tolist(), "keys": positions.tolist(),
-                                     "visible": encoder_visibility(positions, positions, real, w)[0].astype(int).tolist()}
+                                     "visible": visible.astype(int).tolist()}
     for kind, w in (("sliding", W), ("full", None)):
         kept = cache_retains(positions, np.array([L]), w)[0]  # what this layer's cache holds when the canvas starts
         keys = positions[kept]
@@ -267,7 +268,9 @@ def stale(committed: Any, fresh: Any, where: str = "") -> list[str]:
                 and math.isclose(committed, fresh, rel_tol=RTOL, abs_tol=ATOL):
             return []
         return [f"{where}: {committed!r} committed, {fresh!r} now"]
-    return [] if committed == fresh and type(committed) is type(fresh) else [f"{where}: {committed!r} committed, {fresh!r} now"]
+    if committed == fresh and type(committed) is type(fresh):
+        return []
+    return [f"{where}: {committed!r} committed, {fresh!r} now"]
 
 
 # ================================================================================================ drawing
@@ -299,6 +302,8 @@ def _arrow(ax, a, b, color="#333333", style="-|>", **kw):
 
 def draw_architecture(d: dict):
     plt = _plt()
+    from matplotlib.patches import Rectangle
+
     fig, ax = plt.subplots(figsize=(13.5, 6.4))
     ax.set_xlim(0, 13.5)
     ax.set_ylim(0.1, 6.5)
@@ -345,8 +350,8 @@ def draw_architecture(d: dict):
     _arrow(ax, (sc_x, 0.72), (dec_x + bw, 0.72), color="#3a7d2c")
     # one block: attention, then the dense MLP and the mixture of experts side by side
     e = d["experts"]
-    ax.add_patch(__import__("matplotlib.patches", fromlist=["Rectangle"]).Rectangle(
-        (blk_x - 0.1, 0.25), 3.0, 5.55, facecolor="none", edgecolor="#888888", linestyle="--", linewidth=0.8))
+    ax.add_patch(Rectangle((blk_x - 0.1, 0.25), 3.0, 5.55, facecolor="none", edgecolor="#888888", linestyle="--",
+                           linewidth=0.8))
     bx, w2 = blk_x, 2.8
     _box(ax, bx, 5.05, w2, 0.55, "attention: RMSNorm, q/k norms, RoPE,\nscores q·k (no 1/√d), softmax", "#ffffff",
          fontsize=6.8)
@@ -358,8 +363,9 @@ def draw_architecture(d: dict):
                                       "renormalise,\n× per-expert scale", "#fde2e4", fontsize=6.5)
     _arrow(ax, (bx + 0.62, 4.2), (bx + 0.62, 3.8))
     _arrow(ax, (bx + 2.1, 4.2), (bx + 2.1, 3.8))
-    _box(ax, bx + 1.4, 1.55, 1.4, 0.8, f"{e['top_k']} of {e['num_experts']} experts\n"
-                                       f"(width {e['gate_up_proj'][1] // 2}) on RMSNorm(h₁),\nweighted sum → RMSNorm", "#fde2e4", fontsize=6.5)
+    experts_text = (f"{e['top_k']} of {e['num_experts']} experts\n(width {e['gate_up_proj'][1] // 2}) on "
+                    "RMSNorm(h₁),\nweighted sum → RMSNorm")
+    _box(ax, bx + 1.4, 1.55, 1.4, 0.8, experts_text, "#fde2e4", fontsize=6.5)
     _arrow(ax, (bx + 2.1, 2.7), (bx + 2.1, 2.35))
     _box(ax, bx, 0.45, w2, 0.6, "RMSNorm(dense + experts), + h₁,\n× layer scalar", "#ffffff", fontsize=6.8)
     _arrow(ax, (bx + 0.62, 2.7), (bx + 0.62, 1.05))
