@@ -147,8 +147,8 @@ def expert_usage(model_dir: str, trace_path: str) -> list[list[int]]:
     counts: list[list[int]] = []
     original = layers.route
 
-    def counting(h, w, config):
-        indices, weights = original(h, w, config)
+    def counting(h, w, config, *args, **kwargs):
+        indices, weights = original(h, w, config, *args, **kwargs)
         counts.append(np.bincount(indices.ravel(), minlength=config.num_experts).tolist())
         return indices, weights
 

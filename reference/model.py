@@ -6,9 +6,12 @@ denoises a canvas reading that cache.
     -> commit -> Model.encode(committed canvas) -> next canvas
 
 Encoder and decoder share every weight except the per-layer scalar (``encoder_layer_scalar`` vs
-``decoder_layer_scalar``). All computation is float32 NumPy; bfloat16 checkpoints are widened exactly
-on load. Upstream: ``DiffusionGemmaEncoderTextModel`` and ``DiffusionGemmaDecoderModel`` of transformers
-5.24.0 with its default ``DynamicCache``.
+``decoder_layer_scalar``). By default all computation is float32 NumPy; bfloat16 checkpoints are widened
+exactly on load. ``Model(..., dtype="bfloat16")`` is upstream's bfloat16 run instead (SPEC §10): weights
+rounded to bfloat16 on load, arithmetic in float32, every result rounded where transformers loaded with
+``dtype=torch.bfloat16`` stores a bfloat16 tensor (``primitives.round_to``). Upstream:
+``DiffusionGemmaEncoderTextModel`` and ``DiffusionGemmaDecoderModel`` of transformers 5.24.0 with its
+default ``DynamicCache``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from .cache import KVCache
 from .config import ModelConfig
 from .layers import attend, feed_forward, lower_index_top_k, project_qkv
 from .masks import canvas_window, decoder_visibility, encoder_visibility
-from .primitives import embed, gated_mlp, rms_norm, rope_cos_sin, rope_inverse_frequencies, softcap
+from .primitives import (compute_dtype, embed, gated_mlp, linear, rms_norm, rope_cos_sin, rope_inverse_frequencies,
+                         round_to, softcap)
 from .support.checkpoint_io import check_tensors, load_checkpoint
 from .support.checks import (check_attention_mask, check_denoise_inputs, check_model_cache, check_positions,
                              check_token_ids)
@@ -43,6 +47,12 @@ class Model:
 
     Build it with ``Model.from_pretrained(path)`` or ``Model(config, tensors)`` where ``tensors`` maps the
     project's tensor names (``reference.weights``) to float32 arrays.
+
+    ``dtype``: "float32" (default) or "bfloat16", the dtype transformers would be loaded with
+    (``from_pretrained(..., dtype=torch.bfloat16)``). In bfloat16 every tensor is rounded to bfloat16 on load
+    (exact for a bfloat16 checkpoint) and kept as float32 arrays holding bfloat16 values; the cache then
+    holds bfloat16 values too. ``self.dtype`` is the NumPy dtype (``primitives.FLOAT32`` / ``BFLOAT16``).
+    Raises ``ConfigError`` for another dtype.
     """
 
     DENOISE_REPORTS = True
@@ -50,10 +60,12 @@ class Model:
     # (trap T25). ``variants.router.torch_cpu_top_k`` on an instance reproduces torch's CPU order instead.
     router_top_k = staticmethod(lower_index_top_k)
 
-    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray]):
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype: str | np.dtype = "float32"):
         check_tensors(tensors, config)
         self.config = config
-        self.tensors = {name: np.ascontiguousarray(t, dtype=np.float32) for name, t in tensors.items()}
+        self.dtype = compute_dtype(dtype)
+        self.tensors = {name: round_to(np.ascontiguousarray(t, dtype=np.float32), self.dtype)
+                        for name, t in tensors.items()}
         self.layers = [  # per layer: that layer's tensors without the "layers.{l}." prefix
             {name[len(f"layers.{l}."):]: t for name, t in self.tensors.items() if name.startswith(f"layers.{l}.")}
             for l in range(config.num_hidden_layers)
@@ -63,13 +75,15 @@ class Model:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "Model":
+    def from_pretrained(cls, path: str | os.PathLike, dtype: str | np.dtype = "float32") -> "Model":
         """Load a converted checkpoint directory, or a transformers checkpoint directory (converted in memory).
 
+        dtype: "float32" (default) or "bfloat16" (upstream's bfloat16 run, see the class notes).
         Raises ``CheckpointError`` when ``path`` is neither, or when its tensors are wrong, and
-        ``ConfigError`` for an invalid config.
+        ``ConfigError`` for an invalid config or dtype.
         """
-        return cls(*load_checkpoint(path))
+        compute_dtype(dtype)  # a bad dtype fails before the weights are read
+        return cls(*load_checkpoint(path), dtype=dtype)
 
     def new_cache(self, batch_size: int) -> KVCache:
         """An empty KV cache for ``batch_size`` rows."""
@@ -103,13 +117,14 @@ class Model:
         check_positions(config, cache.length, n, f"input_ids ({n} tokens)")
         positions = cache.length + np.arange(n, dtype=np.int64)  # (n,)
         is_real = np.concatenate([cache.is_real, mask], axis=1)  # (B, L + n)
-        tables = {kind: rope_cos_sin(np.broadcast_to(positions, (B, n)), omega) for kind, omega in self._omega.items()}
-        h = embed(ids, self.tensors["embed_tokens"], config.embed_scale)  # (B, n, H); no input norm
+        dt = self.dtype
+        tables = {kind: rope_cos_sin(np.broadcast_to(positions, (B, n)), omega, dt) for kind, omega in self._omega.items()}
+        h = embed(ids, self.tensors["embed_tokens"], config.embed_scale, dt)  # (B, n, H); no input norm
         retained = []
         for l, w in enumerate(self.layers):
             kind = config.layer_types[l]
-            x = rms_norm(h, w["input_layernorm"], config.rms_norm_eps)
-            q, k, v = project_qkv(x, w, config, l, *tables[kind])
+            x = rms_norm(h, w["input_layernorm"], config.rms_norm_eps, dt)
+            q, k, v = project_qkv(x, w, config, l, *tables[kind], dt)
             keys = np.concatenate([cache.keys[l], k], axis=2)  # (B, g, T_l + n, d)
             values = np.concatenate([cache.values[l], v], axis=2)
             key_pos = np.concatenate([cache.positions(l), positions])  # (T_l + n,)
@@ -122,7 +137,7 @@ class Model:
         for l, (keys, values) in enumerate(retained):  # commit only once every layer succeeded
             cache.retain(l, keys, values)
         cache.is_real = is_real
-        return rms_norm(h, self.tensors["final_norm"], config.rms_norm_eps)
+        return rms_norm(h, self.tensors["final_norm"], config.rms_norm_eps, dt)
 
     # ------------------------------------------------------------------ decoder
     def self_conditioning_embedding(self, logits: np.ndarray) -> np.ndarray:
@@ -130,11 +145,19 @@ class Model:
 
         logits: (B, C, V) float32 (in generation: the previous step's temperature-scaled logits;
         trap T11). Returns (B, C, H) float32. The softmax runs in float32 over the vocabulary.
+        In bfloat16 the chain is upstream's (SPEC §10 B8): ``generate`` casts the processed logits to the
+        embedding dtype (``processed_logits.to(embeddings_dtype)``), the decoder softmaxes them in float32,
+        casts the probabilities to bfloat16, multiplies by the bfloat16 table and by the scale cast to
+        bfloat16, each product rounded. The first cast is done here, so that ``denoise`` takes the
+        float32 logits a loop holds.
         """
+        dt = self.dtype
+        logits = round_to(logits, dt)
         z = logits - logits.max(axis=-1, keepdims=True)
         probs = np.exp(z)
         probs /= probs.sum(axis=-1, keepdims=True)
-        return (probs @ self.tensors["embed_tokens"]) * np.float32(self.config.embed_scale)
+        soft = round_to(round_to(probs, dt) @ self.tensors["embed_tokens"], dt)
+        return round_to(soft * round_to(np.float32(self.config.embed_scale), dt), dt)
 
     def canvas_input(self, canvas: np.ndarray, self_conditioning_logits: np.ndarray | None,
                      self_conditioning_mask: np.ndarray | None = None,
@@ -148,19 +171,19 @@ class Model:
         embedding is RMS-normalised even at the first step (trap T10). Upstream: the decoder's
         ``self_conditioning`` module.
         """
-        config, t = self.config, self.tensors
-        e = embed(canvas, t["embed_tokens"], config.embed_scale)  # (B, C, H)
-        if self_conditioning_logits is None:
-            return rms_norm(e, None, config.rms_norm_eps)
+        config, t, dt = self.config, self.tensors, self.dtype
+        e = embed(canvas, t["embed_tokens"], config.embed_scale, dt)  # (B, C, H)
+        if self_conditioning_logits is None:  # upstream: the MLP of zeros is zeros, e + 0 = e
+            return rms_norm(e, None, config.rms_norm_eps, dt)
         u = self.self_conditioning_embedding(self_conditioning_logits)
         if sc_embedding is not None:
             u = sc_embedding(u)
         if self_conditioning_mask is not None:
             u = u * np.asarray(self_conditioning_mask, dtype=np.float32)[:, None, None]
-        signal = gated_mlp(rms_norm(u, t["self_conditioning.pre_norm"], config.rms_norm_eps),
+        signal = gated_mlp(rms_norm(u, t["self_conditioning.pre_norm"], config.rms_norm_eps, dt),
                            t["self_conditioning.gate_proj"], t["self_conditioning.up_proj"],
-                           t["self_conditioning.down_proj"])
-        return rms_norm(e + signal, None, config.rms_norm_eps)
+                           t["self_conditioning.down_proj"], dt)
+        return rms_norm(round_to(e + signal, dt), None, config.rms_norm_eps, dt)
 
     def denoise(self, canvas: np.ndarray, cache: KVCache, self_conditioning_logits: np.ndarray | None = None,
                 self_conditioning_mask: np.ndarray | None = None, *,
@@ -194,20 +217,21 @@ class Model:
         B, C = ids.shape
         check_positions(config, cache.length, C, f"the canvas ({C} tokens)")
         positions = cache.length + np.arange(C, dtype=np.int64)
-        tables = {kind: rope_cos_sin(np.broadcast_to(positions, (B, C)), omega) for kind, omega in self._omega.items()}
+        dt = self.dtype
+        tables = {kind: rope_cos_sin(np.broadcast_to(positions, (B, C)), omega, dt) for kind, omega in self._omega.items()}
         h = self.canvas_input(ids, self_conditioning_logits, self_conditioning_mask, sc_embedding)
         if not np.isfinite(h).all():
             raise forward_fault(self.tensors, "denoise", "the decoder input (canvas embedding + self-conditioning)", h, None)
         observer.decoder_input(h)
         for l, w in enumerate(self.layers):
-            x = rms_norm(h, w["input_layernorm"], config.rms_norm_eps)
-            q, k, v = project_qkv(x, w, config, l, *tables[config.layer_types[l]])
+            x = rms_norm(h, w["input_layernorm"], config.rms_norm_eps, dt)
+            q, k, v = project_qkv(x, w, config, l, *tables[config.layer_types[l]], dt)
             keys = np.concatenate([cache.keys[l], k], axis=2)  # (B, g, T_l + C, d): read-only use of the cache
             values = np.concatenate([cache.values[l], v], axis=2)
             window = (canvas_window(cache.positions(l), cache.length, C, config.sliding_window)
                       if config.is_sliding(l) else None)  # (C, T_l): retained keys each query sees
             visible = decoder_visibility(cache.is_real[:, cache.positions(l)], C, window)  # (B, 1 or C, T_l + C)
-            h = self._block_tail(h, attend(q, keys, values, visible), w, w["decoder_layer_scalar"])
+            h = self._block_tail(h, attend(q, keys, values, visible, dt), w, w["decoder_layer_scalar"])
             if not np.isfinite(h).all():
                 raise forward_fault(self.tensors, "denoise", f"the output of decoder layer {l}", h, l, cache)
             observer.decoder_layer(l, h)
@@ -217,9 +241,12 @@ class Model:
         return softcap(raw, config.final_logit_softcapping)
 
     def output_logits(self, h: np.ndarray, capped: bool = True) -> np.ndarray:
-        """Final norm, tied output projection and (unless ``capped`` is False) soft-cap: (..., H) -> (..., V)."""
-        h = rms_norm(h, self.tensors["final_norm"], self.config.rms_norm_eps)
-        logits = h @ self.tensors["embed_tokens"].T
+        """Final norm, tied output projection and (unless ``capped`` is False) soft-cap: (..., H) -> (..., V).
+
+        In bfloat16 the projection's output is rounded (``lm_head``), then widened: the soft-cap is float32
+        (``logits.to(torch.float32)`` before ``final_logit_softcapping``)."""
+        h = rms_norm(h, self.tensors["final_norm"], self.config.rms_norm_eps, self.dtype)
+        logits = linear(h, self.tensors["embed_tokens"], self.dtype)
         return softcap(logits, self.config.final_logit_softcapping) if capped else logits
 
     def _causal_attention(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray,
@@ -234,11 +261,12 @@ class Model:
         T = keys.shape[2]
         block = max(1, ATTENTION_SCORE_BYTES // (4 * B * n_h * max(T, 1)))
         if block >= S:
-            return attend(q, keys, values, encoder_visibility(positions, key_pos, key_real, window))
+            return attend(q, keys, values, encoder_visibility(positions, key_pos, key_real, window), self.dtype)
         out = np.empty((B, S, n_h * d), dtype=np.float32)
         for a in range(0, S, block):
             b = min(S, a + block)
-            out[:, a:b] = attend(q[:, a:b], keys, values, encoder_visibility(positions[a:b], key_pos, key_real, window))
+            out[:, a:b] = attend(q[:, a:b], keys, values, encoder_visibility(positions[a:b], key_pos, key_real, window),
+                                 self.dtype)
         return out
 
     # ------------------------------------------------------------------ shared block
@@ -246,9 +274,11 @@ class Model:
         """Everything in a block after attention: output projection, both residual adds, the layer scalar.
 
         h: residual (B, S, H); attn: concatenated heads (B, S, n_h*d). The scalar multiplies the whole
-        residual stream, residual included (trap T9). Returns (B, S, H).
+        residual stream, residual included (trap T9). Returns (B, S, H). In bfloat16 both residual sums and
+        the scaled stream are rounded (``residual + hidden_states``; ``hidden_states *= self.layer_scalar``,
+        a bfloat16 buffer).
         """
-        eps = self.config.rms_norm_eps
-        h = h + rms_norm(attn @ w["o_proj"].T, w["post_attention_layernorm"], eps)
-        h = h + feed_forward(h, w, self.config, self.router_top_k)
-        return h * layer_scalar
+        eps, dt = self.config.rms_norm_eps, self.dtype
+        h = round_to(h + rms_norm(linear(attn, w["o_proj"], dt), w["post_attention_layernorm"], eps, dt), dt)
+        h = round_to(h + feed_forward(h, w, self.config, self.router_top_k, dtype=dt), dt)
+        return round_to(h * layer_scalar, dt)

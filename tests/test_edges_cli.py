@@ -296,3 +296,51 @@ def test_plot_onto_a_full_disk_names_the_file_and_leaves_nothing(tmp_path, capsy
     assert rc == 2, err
     assert f"-o/--output {str(out)!r}: the " in err and "could not be written: no space left on device" in err
     assert len(err.strip().splitlines()) == 1 and os.listdir(out.parent) == []
+
+
+# ------------------------------------------------------------------------------------------------ crosscheck llama.cpp
+def test_crosscheck_with_a_binary_that_prints_nothing_says_it_is_not_llama_cpp(capsys):
+    """``--llama-bin /bin/true`` was reported as "DIFFER ... 0 tokens", as if llama.cpp had disagreed."""
+    import shutil
+
+    from diffusiongemma.cli.main import main
+
+    true = shutil.which("true")
+    rc = main(["crosscheck", "llama.cpp", "--llama-bin", true, "-n", "32"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "DIFFER" not in out, out + err
+    assert f"--llama-bin {true} exited 0 but printed no reply (no output;" in err
+    assert "it is not llama.cpp's llama-diffusion-cli" in err
+
+
+def test_crosscheck_stops_a_binary_that_never_exits(tmp_path, capsys, monkeypatch):
+    """A binary that hangs was waited on silently for up to 900 s; now notices on stderr, and an error naming
+    the binary and --llama-timeout when it runs past it (its children are stopped too)."""
+    import time
+
+    from diffusiongemma.cli.main import main
+    from diffusiongemma.crosscheck import llama_cpp_peer
+
+    hang = tmp_path / "llama-diffusion-cli"
+    hang.write_text(f"#!/bin/sh\necho started > {tmp_path / 'started'}\nsleep 60\n")
+    hang.chmod(0o755)
+    monkeypatch.setattr(llama_cpp_peer, "NOTICE_EVERY", 0.3)
+    start = time.monotonic()
+    rc = main(["crosscheck", "llama.cpp", "--llama-bin", str(hang), "--llama-timeout", "1.2", "-n", "32"])
+    waited = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert rc == 2 and (tmp_path / "started").exists(), err
+    assert f"--llama-bin {hang} did not finish within 1.2 s and was stopped (--llama-timeout" in err
+    assert "running " in err and "llama.cpp is still running (" in err
+    assert waited < 30  # not 900 s, nor the 60 s of the script's child
+
+
+@pytest.mark.parametrize("option,value", [("--llama-timeout", "0"), ("--llama-timeout", "-inf"), ("-n", "-5"),
+                                          ("--canvases", "0")])
+def test_crosscheck_numbers_are_checked_by_the_parser(capsys, option, value):
+    from diffusiongemma.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["crosscheck", "llama.cpp", option, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {option}" in err and value in err, err

@@ -61,8 +61,8 @@ class RouterGaps:
         self.smallest = np.inf
         original = ref_layers.route
 
-        def route(h, w, config):
-            top, weights = original(h, w, config)
+        def route(h, w, config, *args, **kwargs):
+            top, weights = original(h, w, config, *args, **kwargs)
             K, E = config.top_k_experts, config.num_experts
             if K < E:
                 z = ref_layers.rms_norm(h, None, config.rms_norm_eps) * w["router.scale"] * (config.hidden_size ** -0.5)

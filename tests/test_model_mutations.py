@@ -37,8 +37,8 @@ def decoder_gap(hf, path, mutate=None) -> float:
 def one_plus_w_norms(monkeypatch):
     original = layers_module.rms_norm
 
-    def gemma1_norm(x, weight, eps):
-        return original(x, None if weight is None else 1.0 + weight, eps)
+    def gemma1_norm(x, weight, eps, *dtype):
+        return original(x, None if weight is None else 1.0 + weight, eps, *dtype)
 
     monkeypatch.setattr(layers_module, "rms_norm", gemma1_norm)
     monkeypatch.setattr(model_module, "rms_norm", gemma1_norm)
@@ -52,8 +52,9 @@ def keep_w_not_w_minus_1(monkeypatch):
 def router_on_normed_input(monkeypatch):
     original = layers_module.route
 
-    def route(h, w, config):
-        return original(layers_module.rms_norm(h, w["pre_feedforward_layernorm_2"], config.rms_norm_eps), w, config)
+    def route(h, w, config, *args, **kwargs):
+        return original(layers_module.rms_norm(h, w["pre_feedforward_layernorm_2"], config.rms_norm_eps), w, config,
+                        *args, **kwargs)
 
     monkeypatch.setattr(layers_module, "route", route)
 

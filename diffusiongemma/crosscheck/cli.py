@@ -16,7 +16,7 @@ import sys
 
 def register(commands, formatter=argparse.HelpFormatter) -> None:
     """Add ``crosscheck`` to the ``diffusiongemma`` subparsers."""
-    from diffusiongemma.cli.argtypes import seed
+    from diffusiongemma.cli.argtypes import positive_int, seed
 
     from . import PEERS
 
@@ -34,7 +34,7 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
                              "in a temporary directory, with every norm weight and scalar randomised)")
     parser.add_argument("--seed", type=seed, default=0,
                         help="seed of the inputs and of the peer's random stream, in [0, 2**64)")
-    parser.add_argument("--canvases", type=int, default=2, help="canvases generated per sampler configuration")
+    parser.add_argument("--canvases", type=positive_int, default=2, help="canvases generated per sampler configuration")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     from .llama_cpp_peer import add_arguments as add_llama_cpp_arguments  # llama.cpp: an external binary
 

@@ -110,12 +110,49 @@ def _reply_text(stdout: str) -> str:
     return body[:-1] if body.endswith("\n") else body
 
 
+DEFAULT_TIMEOUT = 300.0  # seconds one llama-diffusion-cli run may take (the shipped model: a few seconds)
+NOTICE_EVERY = 30.0  # seconds between "still running" notices
+
+
+def _wait(command: list[str], env: dict, timeout: float, notice: Any) -> tuple[int, str, str]:
+    """Run ``command`` to its end: (status, stdout, stderr). Every ``NOTICE_EVERY`` seconds ``notice`` (when
+    given) is told how long it has run; past ``timeout`` seconds the process and its children are killed and
+    ``LlamaCppUnavailable`` says so."""
+    import signal
+
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                               env=env, encoding="utf-8", errors="replace", start_new_session=True)
+    start = time.monotonic()
+    try:
+        while True:
+            left = timeout - (time.monotonic() - start)
+            try:
+                stdout, stderr = process.communicate(timeout=max(0.0, min(NOTICE_EVERY, left)))
+                return process.returncode, stdout, stderr
+            except subprocess.TimeoutExpired:
+                waited = time.monotonic() - start
+                if waited >= timeout:
+                    raise LlamaCppUnavailable(f"--llama-bin {command[0]} did not finish within {timeout:g} s and was stopped "
+                                              "(--llama-timeout SECONDS allows longer runs)") from None
+                if notice is not None:
+                    notice(f"llama.cpp is still running ({waited:.0f} s of at most {timeout:g} s)")
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+
+
 def run_llama_cpp(llama_bin: str, gguf: str, prompt: str, *, seed: int, n_predict: int, threads: int = 1,
-                  logits_step: int | None = None, timeout: float = 900, extra: tuple[str, ...] = ()) -> LlamaCppRun:
+                  logits_step: int | None = None, timeout: float = DEFAULT_TIMEOUT, extra: tuple[str, ...] = (),
+                  notice: Any = None) -> LlamaCppRun:
     """Run ``llama_bin`` on ``gguf`` with ``-p prompt -s seed -n n_predict`` and the deterministic flags.
 
-    logits_step: ask a tracing build to also write that step's canvas logits (the first block's). Raises
-    ``LlamaCppUnavailable`` when the binary is missing or fails (the message has its last output lines).
+    logits_step: ask a tracing build to also write that step's canvas logits (the first block's). timeout:
+    seconds a run may take before it is stopped. notice: called with a line of progress every 30 s of a
+    long run (the command line prints it on stderr). Raises ``LlamaCppUnavailable`` when the binary is
+    missing or fails (the message has its last output lines), runs past ``timeout``, or exits 0 without
+    printing what llama-diffusion-cli prints (a reply and its "total time:" line, or a trace): not llama.cpp.
     """
     binary = _check_binary(llama_bin)
     with tempfile.TemporaryDirectory(prefix="llama-cpp-run-") as tmp:
@@ -130,21 +167,29 @@ def run_llama_cpp(llama_bin: str, gguf: str, prompt: str, *, seed: int, n_predic
                 os.unlink(trace)
             start = time.perf_counter()
             try:
-                done = subprocess.run(command, capture_output=True, encoding="utf-8", errors="replace", env=env,
-                                      timeout=timeout, stdin=subprocess.DEVNULL)
-            except (OSError, subprocess.TimeoutExpired) as exc:
+                status, stdout, stderr = _wait(command, env, timeout, notice)
+            except OSError as exc:
                 raise LlamaCppUnavailable(f"{binary} could not run: {exc}") from exc
             seconds = time.perf_counter() - start
-            if done.returncode != 0:
-                tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
-                raise LlamaCppUnavailable(f"{binary} exited with status {done.returncode}:\n{tail}")
-            if "\ntotal time:" in done.stdout:
+            if status != 0:
+                tail = "\n".join((stdout + stderr).strip().splitlines()[-8:])
+                raise LlamaCppUnavailable(f"{binary} exited with status {status}:\n{tail}")
+            if "\ntotal time:" in stdout:
                 break
-        log = done.stderr
+        log = stderr
         records = []
         if os.path.isfile(trace):
             with open(trace, encoding="utf-8") as f:
-                records = [json.loads(line) for line in f if line.strip()]
+                try:
+                    records = [json.loads(line) for line in f if line.strip()]
+                except json.JSONDecodeError as exc:
+                    raise LlamaCppUnavailable(f"{binary} wrote a trace ({trace}) that is not JSON lines ({exc}): "
+                                              "not llama.cpp's tracing llama-diffusion-cli?") from None
+        if "\ntotal time:" not in stdout and not records:
+            said = f"{len(stdout)} characters on stdout, {len(stderr)} on stderr" if stdout or stderr else "no output"
+            raise LlamaCppUnavailable(f"--llama-bin {binary} exited 0 but printed no reply ({said}; "
+                                      "llama-diffusion-cli ends its reply with a 'total time:' line): it is not "
+                                      "llama.cpp's llama-diffusion-cli, or it did not run the model. " + BUILD_HELP)
     blocks: list[list[dict]] = []
     for record in records:
         if record["step"] == 0 or not blocks:
@@ -159,7 +204,7 @@ def run_llama_cpp(llama_bin: str, gguf: str, prompt: str, *, seed: int, n_predic
             tokens += canvas[:cut]
             if cut < len(canvas):
                 break
-    return LlamaCppRun(prompt_ids=prompt_ids, tokens=tokens, text=_reply_text(done.stdout), blocks=blocks,
+    return LlamaCppRun(prompt_ids=prompt_ids, tokens=tokens, text=_reply_text(stdout), blocks=blocks,
                        seconds=seconds, command=command, log=log)
 
 
@@ -295,9 +340,10 @@ def case_gguf(model: "str | int", directory: str) -> str:
 _F16_GELU: np.ndarray | None = None
 
 
-def ggml_gelu(x: np.ndarray) -> np.ndarray:
+def ggml_gelu(x: np.ndarray, dtype: object = None) -> np.ndarray:
     """ggml-cpu's GELU (``GGML_GELU_FP16``): 0 for x <= -10, x for x >= 10, else a 65536-entry table indexed by
-    float16(x) holding float16(0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))) computed in float32."""
+    float16(x) holding float16(0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))) computed in float32.
+    ``dtype`` (the reference's ``gelu_tanh`` signature) is ignored: the table is llama.cpp's own rounding."""
     global _F16_GELU
     if _F16_GELU is None:
         h = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -517,9 +563,10 @@ def teacher_forced(model: Any, peer: LlamaCppRun, generation_config: Any, *, num
 
 def crosscheck_llama_cpp(llama_bin: str, model_path: str | None = None, *, prompt: str = "And God said",
                          seed: int = 1, n_predict: int | None = None, gguf_type: str = "f32",
-                         threads: int = 1) -> dict:
+                         threads: int = 1, timeout: float = DEFAULT_TIMEOUT, notice: Any = None) -> dict:
     """Write ``model_path`` (default: the shipped model) as a GGUF, run llama.cpp and the reference on it and
-    return a report dict (``agree``, ``problems``, both runs' tokens and per-block step counts, timings)."""
+    return a report dict (``agree``, ``problems``, both runs' tokens and per-block step counts, timings).
+    ``timeout`` and ``notice``: ``run_llama_cpp``'s."""
     from diffusiongemma.checkpoint import default_model_dir, load_generation_config
     from diffusiongemma.reference.model import Model
     write_gguf, _ = _writer()
@@ -536,7 +583,10 @@ def crosscheck_llama_cpp(llama_bin: str, model_path: str | None = None, *, promp
         config = load_generation_config(gguf)
         C = model.config.canvas_length
         n_predict = int(n_predict or C)
-        peer = run_llama_cpp(llama_bin, gguf, prompt, seed=seed, n_predict=n_predict, threads=threads)
+        if notice is not None:
+            notice(f"running {llama_bin} (stopped after {timeout:g} s: --llama-timeout)")
+        peer = run_llama_cpp(llama_bin, gguf, prompt, seed=seed, n_predict=n_predict, threads=threads,
+                             timeout=timeout, notice=notice)
         prompt_ids = peer.prompt_ids or _encode_like_llama_cpp(gguf, prompt)
         ours = reference_run(model, prompt_ids, seed=seed, n_predict=n_predict, generation_config=config,
                              numerics=True)
@@ -619,7 +669,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--llama-bin", default=None, metavar="PATH",
                         help="llama.cpp's llama-diffusion-cli (peer llama.cpp only; see docs/PEERS.md)")
     parser.add_argument("--prompt", default="And God said", help="prompt text for llama.cpp (peer llama.cpp)")
-    parser.add_argument("-n", "--n-predict", type=int, default=None,
+    from diffusiongemma.cli.argtypes import positive_float, positive_int
+
+    parser.add_argument("--llama-timeout", type=positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                        help="stop a llama.cpp run that takes longer, with an error (peer llama.cpp)")
+    parser.add_argument("-n", "--n-predict", type=positive_int, default=None,
                         help="tokens to generate, rounded up to whole canvases (peer llama.cpp; default one canvas)")
     parser.add_argument("--gguf-type", choices=("f32", "f16", "q8_0"), default="f32",
                         help="storage type of the GGUF written for llama.cpp (peer llama.cpp)")
@@ -634,7 +688,10 @@ def run(args) -> int:
     seed = int(args.seed) if args.seed is not None else 1
     try:
         report = crosscheck_llama_cpp(args.llama_bin, args.model, prompt=args.prompt, seed=seed,
-                                      n_predict=args.n_predict, gguf_type=args.gguf_type)
+                                      n_predict=args.n_predict, gguf_type=args.gguf_type,
+                                      timeout=getattr(args, "llama_timeout", DEFAULT_TIMEOUT),
+                                      notice=lambda line: print(f"diffusiongemma crosscheck: {line}", file=sys.stderr,
+                                                                flush=True))
     except LlamaCppUnavailable as exc:
         print(f"diffusiongemma crosscheck: error: {exc}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ def hf_encode(model, cache, ids: np.ndarray, full_mask: np.ndarray | None = None
     with torch.no_grad():
         out = model.model.encoder.language_model(input_ids=torch.tensor(ids), cache=cache,
                                                  position_ids=torch.arange(past, past + ids.shape[1])[None], **extra)
-    return out.last_hidden_state.numpy()
+    return out.last_hidden_state.float().numpy()
 
 
 def hf_denoise(model, cache, canvas: np.ndarray, sc: np.ndarray | None = None,
