@@ -183,6 +183,7 @@ def test_q8_0_overflow_on_the_cpu_fast_path_names_the_layer(tmp_path, q8_gguf):
     ("text", "sliding_window", 2**40, r"sliding_window must be at most max_position_embeddings=131072, got 1099"),
     ("top", "canvas_length", 2**33, r"canvas_length must be at most max_position_embeddings=131072, got 8589"),
     ("text", "max_position_embeddings", 2**40, r"max_position_embeddings must be at most 2147483647"),
+    ("text", "num_hidden_layers", 2**40, r"num_hidden_layers must be at most 4096, got 1099511627776"),
     ("top", "tie_word_embeddings", False, r"^tie_word_embeddings=False is not supported"),
     ("text", "tie_word_embeddings", "8", r"text_config.tie_word_embeddings must be true or false .* got '8'"),
     ("top", "tie_word_embeddings", float("nan"), r"tie_word_embeddings must be true or false .* got nan"),
@@ -197,6 +198,8 @@ def test_q8_0_overflow_on_the_cpu_fast_path_names_the_layer(tmp_path, q8_gguf):
 ])
 def test_config_json_values_are_bounded_and_named(where, field, value, pattern):
     config = _transformers_config()
+    if field == "num_hidden_layers":
+        config["text_config"].pop("layer_types")  # then built from num_hidden_layers (2^40 entries: a hang)
     (config if where == "top" else config["text_config"])[field] = value
     with pytest.raises(ConfigError, match=pattern):
         ModelConfig.from_transformers(config)

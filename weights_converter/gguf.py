@@ -64,6 +64,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from diffusiongemma.reference.config import FULL, SLIDING, ModelConfig, RopeParameters
+from diffusiongemma.reference.support.config_checks import MAX_LAYERS
 from diffusiongemma.reference.support.errors import CheckpointError, ConfigError, InputError
 from diffusiongemma.reference.support.checkpoint_io import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, STORAGE_DTYPES
 from diffusiongemma.reference.support.quantized import Q8_0Tensor, widen
@@ -733,8 +734,8 @@ def _read_config(checkpoint: GGUFCheckpoint) -> ModelConfig:
     """The ``ModelConfig`` of a diffusion-gemma GGUF (keys listed in the module docstring)."""
     a, path = ARCHITECTURE, checkpoint.path
     n_layers = checkpoint.integer(f"{a}.block_count")
-    if n_layers <= 0:
-        raise CheckpointError(f"{path}: metadata key '{a}.block_count' must be positive, got {n_layers}")
+    if not 0 < n_layers <= MAX_LAYERS:  # before per-layer lists are built from it
+        raise CheckpointError(f"{path}: metadata key '{a}.block_count' must be in 1..{MAX_LAYERS}, got {n_layers}")
     layer_types = _layer_types(checkpoint, a, n_layers)
     heads = set(_per_layer(checkpoint, f"{a}.attention.head_count", n_layers))
     if len(heads) != 1:

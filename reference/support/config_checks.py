@@ -23,6 +23,7 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+MAX_LAYERS = 4096  # most transformer blocks a config may declare (released models have at most ~130)
 MAX_POSITIONS = 2**31 - 1  # most positions a model may declare: positions are int32 in llama.cpp and the kernels
 RMS_NORM_EPS_MAX = 0.01  # the largest rms_norm_eps accepted; released models use 1e-6 (Gemma) to 1e-5 (Llama)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -71,6 +72,8 @@ def check_model_config(config: Any, SLIDING: str, FULL: str, RopeParameters: typ
         if not _is_real(getattr(config, name)):
             raise ConfigError(f"{name} must be a number, got {getattr(config, name)!r}")
         check_float32(name, getattr(config, name), positive=True)
+    if config.num_hidden_layers > MAX_LAYERS:
+        raise ConfigError(f"num_hidden_layers must be at most {MAX_LAYERS}, got {config.num_hidden_layers}")
     if config.max_position_embeddings > MAX_POSITIONS:
         raise ConfigError(f"max_position_embeddings must be at most {MAX_POSITIONS} (int32 positions), "
                           f"got {config.max_position_embeddings}")

@@ -26,6 +26,7 @@ import math
 import os
 from typing import Any, Mapping, Sequence
 
+from .config_checks import MAX_LAYERS
 from .errors import ConfigError
 
 SAMPLER_CLASS_NAME = "EntropyBoundSamplerConfig"  # the only sampler transformers knows
@@ -105,8 +106,10 @@ def transformers_fields(config: Mapping[str, Any], SLIDING: str, FULL: str) -> d
         raise ConfigError(f"use_bidirectional_attention={bidir!r} is not supported: only None or 'vision' "
                           "(causal text encoder, the released setting)")
     n_layers = get("num_hidden_layers", 30)
-    if not isinstance(n_layers, int) or n_layers <= 0:
+    if not _is_int(n_layers) or n_layers <= 0:
         raise ConfigError(f"num_hidden_layers must be a positive integer, got {n_layers!r}")
+    if n_layers > MAX_LAYERS:  # before the per-layer lists are built from it
+        raise ConfigError(f"num_hidden_layers must be at most {MAX_LAYERS}, got {n_layers}")
     layer_types = text.get("layer_types")
     if layer_types is None:  # upstream default: every sixth layer is full
         layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(n_layers)]
