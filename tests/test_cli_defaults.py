@@ -88,3 +88,22 @@ def test_an_argument_error_is_one_line_and_a_hint(capsys, args, message):
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and lines[0].startswith(message), lines
     assert lines[1].endswith("--help lists the options)") and "usage:" not in lines[0]
+
+
+def test_convert_draws_no_progress_bar_into_a_stderr_that_is_not_a_terminal(tmp_path, capsys):
+    """#33: `convert` drew its tqdm bar (carriage returns and all) into redirected stderr."""
+    from tests.hf_tiny import save_tiny, tiny_model
+    from diffusiongemma.weights_converter.cli import show_progress
+
+    src = save_tiny(tiny_model(seed=0), tmp_path / "hf")
+    capsys.readouterr()  # transformers' own bars while the source is saved
+    assert main(["convert", src, str(tmp_path / "quiet")]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["convert", src, str(tmp_path / "asked"), "--progress"]) == 0
+    assert "\r" in capsys.readouterr().err  # asked for: drawn anyway
+
+    class Terminal:
+        def isatty(self):
+            return True
+    assert show_progress(None, Terminal()) and not show_progress(False, Terminal())
+    assert not show_progress(None, open(tmp_path / "log", "w"))

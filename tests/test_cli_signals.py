@@ -119,3 +119,131 @@ def test_file_size_limit_during_convert_is_a_named_error(tmp_path):
     assert "cannot write" in proc.stderr and "File too large" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not dst.exists() and [p for p in os.listdir(tmp_path) if p != "hf"] == []
+
+
+def _interrupt_after_canvases(monkeypatch, canvases: int):
+    """generate_function's run raises KeyboardInterrupt (as Ctrl-C would) after ``canvases`` committed canvases."""
+    import diffusiongemma.checkpoint as checkpoint
+
+    real = checkpoint.generate_function
+
+    def interrupted_generate(backend):
+        generate = real(backend)
+
+        def run(*args, callback=None, **kwargs):
+            class Interrupt:
+                seen = 0
+
+                def __getattr__(self, name):
+                    return getattr(callback, name)
+
+                def on_canvas(self, info):
+                    callback.on_canvas(info)
+                    Interrupt.seen += 1
+                    if Interrupt.seen == canvases:
+                        raise KeyboardInterrupt
+            return generate(*args, callback=Interrupt(), **kwargs)
+        return run
+
+    monkeypatch.setattr(checkpoint, "generate_function", interrupted_generate)
+
+
+def test_ctrl_c_with_stdout_not_a_terminal_keeps_the_committed_text(monkeypatch, capsys):
+    """#33: with stdout redirected (no live view) an interrupted run printed nothing; it now prints the prompt
+    and the canvases committed so far: here exactly what a run whose budget ends after them prints."""
+    args = ["generate", "And God said", "--seed", "3", "--steps", "4", "--ignore-eos", "--no-progress"]
+    assert main([*args, "-n", "64"]) == 0
+    two_canvases = capsys.readouterr().out
+    assert two_canvases.startswith("And God said") and len(two_canvases) > len("And God said\n")
+    _interrupt_after_canvases(monkeypatch, 2)
+    assert main([*args, "-n", "256"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == two_canvases
+    assert captured.err == "diffusiongemma generate: interrupted\n"
+
+
+def test_ctrl_c_in_a_json_run_prints_no_partial_json(monkeypatch, capsys):
+    _interrupt_after_canvases(monkeypatch, 1)
+    assert main(["generate", "And God said", "--seed", "3", "-n", "128", "--json", "--no-progress"]) == 130
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.slow
+def test_a_real_ctrl_c_with_stdout_in_a_file_keeps_the_committed_text(tmp_path):
+    import re
+    import time
+
+    out_path = tmp_path / "out.txt"
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "diffusiongemma", "generate", "And God said", "--seed", "1",
+                                 "-n", "4096", "--ignore-eos", "--backend", "reference", "--progress"], stdout=out,
+                                stderr=subprocess.PIPE, env=child_env(), preexec_fn=_default_sigint)
+        seen, deadline = b"", time.monotonic() + 120
+        while not re.search(rb"canvases: .*\| *[1-9][0-9]*/128", seen) and time.monotonic() < deadline:
+            chunk = proc.stderr.read1(4096)
+            if not chunk:
+                break
+            seen += chunk
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (seen + err).decode(errors="replace")
+    text = out_path.read_text(encoding="utf-8")
+    assert text.startswith("And God said") and len(text) > len("And God said\n"), text
+    assert "interrupted" in err.decode()
+
+
+def test_the_prefill_line_says_that_the_prompt_is_encoded():
+    import io
+    import time
+
+    import numpy as np
+
+    from diffusiongemma.cli.progress import PrefillProgress
+
+    stream = io.StringIO()
+    line = PrefillProgress(stream, delay=0.0, interval=0.02)
+    line.on_prompt(np.zeros((1, 120002), dtype=np.int64))
+    deadline = time.monotonic() + 10
+    while "encoding the prompt" not in stream.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    line.on_step(None)  # the first step erases it, and it stays erased
+    text = stream.getvalue()
+    assert "\r\x1b[Kencoding the prompt: 120,002 tokens ... 0 s" in text and text.endswith("\r\x1b[K")
+    time.sleep(0.1)
+    assert stream.getvalue() == text
+    quiet = io.StringIO()
+    short = PrefillProgress(quiet, delay=5.0)
+    short.on_prompt(np.zeros((1, 4), dtype=np.int64))
+    short.close()  # a prompt encoded before the delay shows nothing
+    assert quiet.getvalue() == ""
+
+
+@pytest.mark.slow
+def test_a_long_prompt_shows_the_prefill_on_a_terminal(tmp_path):
+    """#33: a 120,002-token prompt ran for minutes with no output. On a terminal stderr, the prefill line shows
+    from the first second of the encode (here a prompt of some 4,000 tokens, a few seconds)."""
+    import pty
+
+    master, slave = pty.openpty()
+    prompt = "And God said, Let there be light: and there was light. " * 300
+    with open(tmp_path / "out.txt", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "diffusiongemma", "generate", "-", "--seed", "1", "-n", "32",
+                                 "--steps", "2"], stdin=subprocess.PIPE, stdout=out, stderr=slave, env=child_env())
+        os.close(slave)
+        proc.stdin.write(prompt.encode())
+        proc.stdin.close()
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+        proc.wait(timeout=300)
+    os.close(master)
+    assert proc.returncode == 0, seen.decode(errors="replace")
+    import re
+
+    assert re.search(rb"encoding the prompt: [0-9,]+ tokens \.\.\. [0-9]+ s", seen), seen[:500]

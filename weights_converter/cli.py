@@ -63,8 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: f32; diffusiongemma/gguf_writer.py)")
     parser.add_argument("--force", action="store_true",
                         help="replace DST if it is an existing diffusiongemma checkpoint")
-    parser.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar on stderr (default: only when stderr is a terminal)")
     return accept_negative_sizes(parser)
+
+
+def show_progress(option: bool | None, stream=None) -> bool:
+    """``--progress`` / ``--no-progress`` when given, else whether ``stream`` (default stderr) is a terminal: a
+    bar drawn into a file or a pipe is a heap of carriage returns."""
+    if option is not None:
+        return option
+    stream = sys.stderr if stream is None else stream
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or file-less stream
+        return False
 
 
 def convert(*args, **kwargs):
@@ -94,7 +107,7 @@ def _run(argv: list[str] | None) -> int:
             summary = write_gguf(args.src, args.dst, args.gguf_type, force=args.force)
         else:
             summary = convert(args.src, args.dst, dtype=args.dtype, shard_size=args.shard_size,
-                              force=args.force, progress=not args.no_progress)
+                              force=args.force, progress=show_progress(args.progress))
     except (CheckpointError, ConfigError, InputError, OSError) as exc:
         print(f"diffusiongemma-convert: error: {exc}", file=sys.stderr)
         return 1

@@ -260,7 +260,7 @@ def run(args) -> int:
 
     from . import checks, stopping
     from .live_view import LiveCanvasView
-    from .progress import Fanout, ProgressBars, without_library_progress
+    from .progress import CommittedText, Fanout, PrefillProgress, ProgressBars, without_library_progress
 
     args.backend, backend_choice = choose_backend(
         args.backend, needs_reference=args.greedy or args.temp == 0 or args.semantics != "transformers")
@@ -293,6 +293,8 @@ def run(args) -> int:
         frame_time=args.frame_time, wait=args.view_wait)
     show_bars = args.progress if args.progress is not None else (view is None and sys.stderr.isatty())
     bars = ProgressBars(planned, settings.max_denoising_steps) if show_bars else None
+    prefill = PrefillProgress() if args.progress is not False and sys.stderr.isatty() else None
+    committed = CommittedText(text_side.decode)
     log = DenoisingLog()
 
     if args.backend == "reference":  # BLAS is its only parallelism: never more threads than free cores now
@@ -306,10 +308,16 @@ def run(args) -> int:
     interrupted = True
     try:
         result = generate(model, np.array([prompt_ids], dtype=np.int64), generation_config=settings,
-                          random=seed_value, callback=Fanout(log, bars, view), **without_library_progress(generate),
-                          **({} if variant is None else {"semantics": variant}))
+                          random=seed_value, callback=Fanout(prefill, log, committed, bars, view),
+                          **without_library_progress(generate), **({} if variant is None else {"semantics": variant}))
         interrupted = False
+    except KeyboardInterrupt:
+        if view is None and not args.json:  # the live view leaves the committed text itself; a file gets it here
+            print((prompt if not args.chat else "") + committed.text(), flush=True)
+        raise
     finally:
+        if prefill is not None:
+            prefill.close()
         if bars is not None:
             bars.close()
         if view is not None:
