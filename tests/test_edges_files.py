@@ -164,17 +164,35 @@ def test_q8_0_overflow_on_the_cpu_fast_path_names_the_layer(tmp_path, q8_gguf):
     data[norm.data_offset:norm.data_offset + norm.n_bytes] = np.full(norm.n_elements, 3e38, np.float32).tobytes()
     open(path, "wb").write(data)
     prompt = np.array([[2, 100, 200]])
+    fast_model = fast.Model.from_pretrained(path, device="cpu")
+    assert fast_model.layers[1].experts.kind == "q8_0"  # kept quantized in the panel layout: the failing case
     messages = []
     with np.errstate(all="ignore"):
-        for model, run in ((fast.Model.from_pretrained(path, device="cpu"), fast.generate),
-                           (ReferenceModel.from_pretrained(path), reference_generate)):
-            assert any(getattr(w, "experts", None) is not None for w in getattr(model, "layers", [])) or \
-                run is reference_generate  # the fast model keeps its experts packed (the failing case)
+        for model, run in ((fast_model, fast.generate), (ReferenceModel.from_pretrained(path), reference_generate)):
             with pytest.raises(NonFiniteError) as caught:
                 run(model, prompt, max_new_tokens=32)
             messages.append(str(caught.value))
     assert messages[0] == messages[1]
     assert "the output of encoder layer 1 is not finite" in messages[0]
+
+
+def test_overflow_with_float32_experts_on_the_cpu_fast_path_names_the_layer():
+    """The same with float32 experts: the diagnosis was handed None for the experts the panels hold."""
+    fast = pytest.importorskip("diffusiongemma.fast")
+    from diffusiongemma.reference.generate import generate as reference_generate
+    from diffusiongemma.reference.model import Model as ReferenceModel
+
+    reference = ReferenceModel.from_pretrained(SHIPPED)
+    tensors = {name: np.array(array) for name, array in reference.tensors.items()}
+    tensors["layers.2.post_feedforward_layernorm"][:] = 3e38
+    messages = []
+    with np.errstate(all="ignore"):
+        for model, run in ((fast.Model(reference.config, dict(tensors)), fast.generate),
+                           (ReferenceModel(reference.config, dict(tensors)), reference_generate)):
+            with pytest.raises(NonFiniteError) as caught:
+                run(model, np.array([[2, 100, 200]]), max_new_tokens=32)
+            messages.append(str(caught.value))
+    assert messages[0] == messages[1] and "the output of encoder layer 2 is not finite" in messages[0]
 
 
 # ================================================================================================ config files
