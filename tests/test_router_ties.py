@@ -75,8 +75,10 @@ def _denoise(model, prompt, canvas):
 
 def test_tied_router_rows_against_transformers(tied_checkpoint):
     """transformers keeps torch's CPU order; the reference reproduces it with ``torch_cpu_top_k`` and differs by
-    whole logits with its own rule; the fast path keeps the reference's rule."""
+    whole logits with its own rule; the compiled CPU path and the GPU kernels (on cuda-sim) keep the
+    reference's rule."""
     from diffusiongemma import fast
+    from diffusiongemma.fast import gpu
     from tests.hf_oracle import hf_cache, hf_denoise, hf_encode
 
     hf, path = tied_checkpoint
@@ -90,8 +92,8 @@ def test_tied_router_rows_against_transformers(tied_checkpoint):
     assert np.max(np.abs(lower - theirs)) > 0.5  # the tie rule decides which experts run
     ours.router_top_k = torch_cpu_top_k
     assert np.max(np.abs(_denoise(ours, prompt, canvas) - theirs)) < 2e-4
-    quick = _denoise(fast.Model.from_pretrained(path), prompt, canvas)
-    assert np.max(np.abs(quick - lower)) < 2e-4
+    for backend in (fast.Model.from_pretrained(path), gpu.Model.from_pretrained(path, device="cuda-sim")):
+        assert np.max(np.abs(_denoise(backend, prompt, canvas) - lower)) < 2e-4
 
 
 def test_crosscheck_reports_an_exact_router_tie_as_undefined_upstream(tied_checkpoint):
