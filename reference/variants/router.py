@@ -12,9 +12,10 @@ actually returns is whatever the C++ standard library's selection leaves in fron
 Which of several equal experts comes out therefore depends on every value of the row and on E and K, not
 on the tied experts' indices: of [1, 1, 1, 0] with K = 2 it keeps experts 1 and 2; of eight equal values
 with K = 2 it keeps 6 and 5. CUDA's radix selection orders ties differently again. The reference keeps
-the lower-index rule (``layers.lower_index_top_k``, trap T25), which is also what JAX's ``lax.top_k``
-documents; llama.cpp's ``ggml_top_k`` is another ``std::partial_sort`` (of indices, then its first two
-swapped), mlx-vlm an ``argpartition``.
+the lower-index rule (``layers.lower_index_top_k``, trap T25), which is what JAX's ``lax.top_k`` documents
+(the JAX DiffusionGemma calls ``jax.lax.approx_max_k``, exact off TPU: docs/PEERS.md). llama.cpp selects
+experts with ggml's top-k, a ``std::sort`` or ``std::partial_sort`` of the expert indices by probability
+depending on the version, which defines no order among equal values either.
 
 ``torch_cpu_top_k`` reproduces torch 2.13's CPU order with GNU libstdc++ (the library the PyPI wheels are
 built with) from the algorithms' definitions, so that a run with exactly tied router rows can be compared
