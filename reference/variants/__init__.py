@@ -18,6 +18,8 @@ One file per stage, each stage a small frozen object with a ``name`` (what ``--s
     window.py        canvas_window (the prompt keys a canvas query sees in a sliding layer)
     llama_cpp_draws.py, jax_draws.py   the peers' own random streams as draw sources: ``LlamaCppDraws(seed)``
                      and ``JaxDraws(seed)`` reproduce those implementations' runs from the seed alone
+    router.py        not a loop stage: the router's top-K among equal probabilities, which upstream leaves
+                     undefined; ``model.router_top_k = torch_cpu_top_k`` reproduces torch's CPU order (trap T25)
 
 What the reference cannot reproduce is said where it matters (``Semantics.note``).
 """
