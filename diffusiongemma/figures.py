@@ -455,7 +455,7 @@ def draw_cache_ring(d: dict):
         ax.spines[side].set_visible(False)
     handles = [Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="#555555", hatch=h) for c, h in
                (("#2b6cb0", None), ("#f6ad55", None), ("#fff6c2", None), ("#ffffff", "//"))]
-    ax.legend(handles, [f"held by sliding and full layers (number: ring slot p mod {cap})",
+    ax.legend(handles, [f"held by sliding and full layers (number: slot p mod {cap} of the fast paths' ring)",
                         "held by full layers only", "canvas being denoised (reads the cache)",
                         "committed, never encoded"], loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2,
               fontsize=7.5, frameon=False)
