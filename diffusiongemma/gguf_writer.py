@@ -318,6 +318,8 @@ def _check_request(dst, gguf_type: str, force: bool) -> str:
         raise InputError(f"the GGUF destination {dst!r} must end in .gguf")
     if os.path.isdir(dst):
         raise InputError(f"{dst!r} is a directory, not a .gguf file")
+    if not os.path.isdir(os.path.dirname(dst)):
+        raise InputError(f"the GGUF destination's folder {os.path.dirname(dst)!r} does not exist")
     if os.path.exists(dst) and not force:
         raise InputError(f"{dst!r} already exists (pass --force to replace it)")
     return dst
@@ -348,7 +350,10 @@ def _begin_export(dst: str, force: bool) -> str:
             if entry.startswith(prefix):
                 raise InputError(f"{dst!r} is being written by another export (its partial file {entry!r} "
                                  "belongs to a process that still runs); wait for it, or pass --force")
-    fd, tmp = tempfile.mkstemp(prefix=writer._hidden_name(dst, "partial"), suffix=".gguf", dir=parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=writer._hidden_name(dst, "partial"), suffix=".gguf", dir=parent)
+    except OSError as exc:  # e.g. a read-only folder: name the destination, not the hidden file
+        raise writer.write_error(dst, exc) from None
     os.close(fd)
     return tmp
 
