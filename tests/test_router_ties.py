@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from diffusiongemma.reference import Model
 from diffusiongemma.reference.layers import lower_index_top_k
 from diffusiongemma.reference.variants.router import ROUTER_TOP_K, boundary_ties, torch_cpu_top_k
-
-torch = pytest.importorskip("torch")
 
 SIZES = [(E, K) for E in (2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128)
          for K in (1, 2, 3, 4, 6, 8) if K <= E]  # E up to 128 and K up to 8; 64 K <= E takes partial_sort
