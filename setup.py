@@ -156,7 +156,7 @@ setup(
     ],
     extras_require={
         "test": [
-            "pytest>=7",
+            "pytest>=7.3",  # tmp_path_retention_policy (pyproject.toml)
             "pytest-randomly>=3.15",  # every run in a random order, its seed printed (-p randomly --randomly-seed=N replays it)
             "hypothesis>=6.80",
             "torch==2.13.0",

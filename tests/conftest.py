@@ -11,6 +11,13 @@ test, the environment variables, the thread counts of every BLAS and OpenMP libr
 pytest-randomly, whose seed is printed in the header; ``-p randomly --randomly-seed=N`` replays an order)
 and with any environment the caller has; a test that checks what the other tests of its module did is
 marked ``last_in_module`` and kept after them. ``-m "not slow"`` skips the slow tests.
+
+Nothing is written into the user's home: ``pytest_configure`` points the run-time builds of cuda-sim
+(``DIFFUSIONGEMMA_SIM_CACHE``, fast/gpu/sim.py, otherwise ``~/.cache/diffusiongemma``) into pytest's own cache
+folder (``.pytest_cache/d/diffusiongemma-cuda-sim``: kept between runs, ``--cache-clear`` empties it), or, with
+the cache plugin off, into a temporary folder removed when the session ends; child processes inherit it.
+Temporary files go under ``tmp_path``, whose folders pytest removes at the end of the session unless their
+test failed (``tmp_path_retention_policy`` in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -19,6 +26,36 @@ import os
 import sys
 
 import pytest
+
+
+SIM_CACHE_VARIABLE = "DIFFUSIONGEMMA_SIM_CACHE"
+_session: dict = {}
+
+
+def pytest_configure(config):
+    """The cuda-sim build cache of this session: pytest's cache folder, else a temporary folder."""
+    _session["saved"] = os.environ.get(SIM_CACHE_VARIABLE)
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        folder = str(cache.mkdir("diffusiongemma-cuda-sim"))
+    else:
+        import tempfile
+
+        folder = _session["temporary"] = tempfile.mkdtemp(prefix="diffusiongemma-cuda-sim-")
+    os.environ[SIM_CACHE_VARIABLE] = folder
+
+
+def pytest_unconfigure(config):
+    if "temporary" in _session:
+        import shutil
+
+        shutil.rmtree(_session.pop("temporary"), ignore_errors=True)
+    if "saved" in _session:
+        saved = _session.pop("saved")
+        if saved is None:
+            os.environ.pop(SIM_CACHE_VARIABLE, None)
+        else:
+            os.environ[SIM_CACHE_VARIABLE] = saved
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

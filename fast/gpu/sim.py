@@ -89,10 +89,11 @@ class SimBuildError(RuntimeError):
 
 # ------------------------------------------------------------------------------------------------ building
 def cache_dir() -> str:
-    """Where run-time builds go: ``$DIFFUSIONGEMMA_SIM_CACHE``, else ``~/.cache/diffusiongemma/cuda-sim``,
-    else (no writable home) a folder of the system's temporary directory."""
-    path = os.environ.get("DIFFUSIONGEMMA_SIM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                      "diffusiongemma", "cuda-sim")
+    """Where run-time builds go: ``$DIFFUSIONGEMMA_SIM_CACHE``, else ``$XDG_CACHE_HOME/diffusiongemma/cuda-sim``
+    (``XDG_CACHE_HOME`` defaulting to ``~/.cache``), else (no writable home) a folder of the system's temporary
+    directory. The tests point it into their own folder (tests/conftest.py)."""
+    path = os.environ.get("DIFFUSIONGEMMA_SIM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "diffusiongemma", "cuda-sim")
     try:
         os.makedirs(path, exist_ok=True)
         if os.access(path, os.W_OK):
