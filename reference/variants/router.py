@@ -11,7 +11,8 @@ actually returns is whatever the C++ standard library's selection leaves in fron
 
 Which of several equal experts comes out therefore depends on every value of the row and on E and K, not
 on the tied experts' indices: of [1, 1, 1, 0] with K = 2 it keeps experts 1 and 2; of eight equal values
-with K = 2 it keeps 6 and 5. CUDA's radix selection orders ties differently again. The reference keeps
+with K = 2 it keeps 6 and 5. On CUDA ties come out in yet another order (pytorch/pytorch#127196: of
+[3, 2, 3, 2, 1, 1] with K = 2, [0, 2] on the CPU and [2, 0] on CUDA). The reference keeps
 the lower-index rule (``layers.lower_index_top_k``, trap T25), which is what JAX's ``lax.top_k`` documents
 (the JAX DiffusionGemma calls ``jax.lax.approx_max_k``, exact off TPU: docs/PEERS.md). llama.cpp selects
 experts with ggml's top-k, a ``std::sort`` or ``std::partial_sort`` of the expert indices by probability
