@@ -134,6 +134,18 @@ def test_wrong_metadata_count_is_a_metadata_error(tmp_path, q8_gguf, delta):
         gguf_reader.GGUFCheckpoint.open(path)
 
 
+@pytest.mark.parametrize("delta", [-30, -2, 5])
+def test_wrong_tensor_count_is_found_whatever_the_offset(tmp_path, q8_gguf, delta):
+    path, data = _copy(q8_gguf, tmp_path / "tensors.gguf")
+    n_tensors = struct.unpack_from("<Q", data, 8)[0]
+    struct.pack_into("<Q", data, 8, n_tensors + delta)
+    open(path, "wb").write(data)
+    with pytest.raises(gguf_reader.GGUFLayoutError,
+                       match=rf"tensors\.gguf: the header's tensor count is {n_tensors + delta}, but the file holds "
+                             rf"{n_tensors} tensor entries"):
+        gguf_reader.GGUFCheckpoint.open(path)
+
+
 def _set_metadata_uint32(data: bytearray, key: str, value: int) -> None:
     raw = struct.pack("<Q", len(key)) + key.encode()
     at = data.index(raw) + len(raw)

@@ -382,6 +382,41 @@ def _metadata_count(data, size: int, n_tensors: int, n_kv: int) -> int | None:
     return None
 
 
+def _tensor_count(data, size: int, n_tensors: int, n_kv: int) -> int | None:
+    """The number of tensor infos with which the file holds together, when the metadata parses with ``n_kv``
+    pairs and that number differs from the header's ``n_tensors``; None otherwise.
+
+    The infos are read greedily (a read past the last one runs into the zero padding and stops at once), then
+    the counts are tried from the largest down, at most 64 of them, each a walk of the infos (error path only)."""
+    cur = _Bytes(data, size)
+    cur.pos = 24
+    version = struct.unpack_from("<I", data, 4)[0]
+    fields: dict[str, GGUFField] = {}
+    try:
+        for i in range(n_kv):
+            _add_kv(fields, _read_kv(cur, i, n_kv))
+    except (_Problem, struct.error):
+        return None
+    start, read = cur.pos, 0
+    while True:
+        try:
+            _read_tensor_info(cur, read, read + 1)
+        except (_Problem, struct.error):
+            break
+        read += 1
+    for k in range(read, max(read - 64, -1), -1):
+        if k == n_tensors:
+            continue
+        rest = _Bytes(data, size)
+        rest.pos = start
+        try:
+            _walk_tensors(rest, data, size, version, fields, k)
+            return k
+        except _Problem:
+            continue
+    return None
+
+
 def _walk_tensors(cur: _Bytes, data, size: int, version: int, fields: dict, n_tensors: int) -> GGUFHeader:
     """The tensor infos and data-section checks of ``_walk``, from ``cur`` (just after the metadata)."""
     alignment = DEFAULT_ALIGNMENT
@@ -457,8 +492,8 @@ def read_gguf_header(path: str | os.PathLike, fd: int | None = None) -> GGUFHead
     """The checked header of the GGUF file ``path`` (no tensor data read; the file is memory-mapped).
 
     Refuses, with ``GGUFLayoutError`` naming the key or tensor: a bad magic, version or byte order; a count
-    that disagrees with the bytes (a metadata count off by any amount is found and named as such, a tensor
-    count one off likewise); a truncated header; unknown
+    that disagrees with the bytes (a metadata or tensor count off by any amount is found and named as such);
+    a truncated header; unknown
     value or tensor types; strings that are not UTF-8; duplicate keys or tensor names; a ``general.alignment``
     that is not a UINT32 power of two; ``n_dims`` outside 1..4; ``ne[0]`` not a whole number of blocks; a tensor
     offset that is misaligned, outside the data section, overlapping another tensor, or not where llama.cpp's
@@ -483,17 +518,10 @@ def read_gguf_header(path: str | os.PathLike, fd: int | None = None) -> GGUFHead
                 if found is not None:
                     raise GGUFLayoutError(f"{path}: the header's metadata key/value count is {n_kv}, but the file "
                                           f"holds {found} metadata key/value entries (with {n_kv}: {problem})") from None
-                for other in ((n_tensors - 1, n_kv), (n_tensors + 1, n_kv)):
-                    if min(other) < 0:
-                        continue
-                    try:
-                        _walk(data, size, other)
-                    except _Problem:
-                        continue
-                    what, found, said = (("tensor", other[0], n_tensors) if other[0] != n_tensors
-                                         else ("metadata key/value", other[1], n_kv))
-                    raise GGUFLayoutError(f"{path}: the header's {what} count is {said}, but the file holds "
-                                          f"{found} {what} entries (with {said}: {problem})") from None
+                found = _tensor_count(data, size, n_tensors, n_kv)
+                if found is not None:
+                    raise GGUFLayoutError(f"{path}: the header's tensor count is {n_tensors}, but the file holds "
+                                          f"{found} tensor entries (with {n_tensors}: {problem})") from None
             raise GGUFLayoutError(f"{path}: {problem}") from None
     finally:
         if size:
