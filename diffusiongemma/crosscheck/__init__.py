@@ -26,9 +26,6 @@ as "undefined upstream" instead of a difference.
 
 Errors: ``PeerUnavailable`` (not installed, cannot load: the message has the install command) and
 ``ConfigError`` / ``CheckpointError`` for a bad model directory.
-
-Errors: ``PeerUnavailable`` (not installed, cannot load: the message has the install command) and
-``ConfigError`` / ``CheckpointError`` for a bad model directory.
 """
 
 from __future__ import annotations
