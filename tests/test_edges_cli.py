@@ -344,3 +344,39 @@ def test_crosscheck_numbers_are_checked_by_the_parser(capsys, option, value):
         main(["crosscheck", "llama.cpp", option, value])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and f"argument {option}" in err and value in err, err
+
+
+# ------------------------------------------------------------------------------------------------ GPU diagnosis
+@pytest.mark.parametrize("name,value,expected", [
+    ("layers.2.mlp.down_proj", 3e38, r"^denoise: the output of decoder layer 2 is not finite \(NaN at \(row, "
+                                     r"position\) \(0, 0\)\); every weight and input it read is finite, so float32 "
+                                     r"overflowed there .*after the GPU flagged it: denoiser logits at .* hold NaN"),
+    ("o_proj", float("nan"), r"^the model's weights are no longer finite: tensor 'layers\.1\.o_proj' holds 4096 "
+                             r"NaN .*after the GPU flagged: denoiser logits"),
+])
+def test_the_gpu_path_names_the_layer_behind_nan_logits(name, value, expected):
+    """On cuda-sim a 3e38 weight ended in "logits hold NaN" with no layer named; the CPU paths name it. (A NaN
+    weight is refused when the model is built; one written into the device copy afterwards is named.)"""
+    from diffusiongemma.fast import gpu
+    from diffusiongemma.fast.gpu.sim import SimDevice
+    from diffusiongemma.reference.support.errors import NonFiniteError
+
+    tensors = dict(TENSORS)
+    if name in tensors:
+        tensors[name] = np.full_like(TENSORS[name], value)
+    model = gpu.Model(CONFIG, tensors, device=SimDevice(checks=False))
+    if name not in tensors:
+        getattr(model.layers[1], name)[...] = value  # cuda-sim's device arrays are host arrays
+    with np.errstate(all="ignore"), pytest.raises(NonFiniteError, match=expected):
+        gpu.generate(model, np.full((1, 4), 5), max_new_tokens=16, max_denoising_steps=2)
+
+
+def test_gpu_host_tensors_are_the_checkpoints():
+    from diffusiongemma.fast import gpu
+    from diffusiongemma.fast.gpu.diagnosis import host_tensors
+    from diffusiongemma.fast.gpu.sim import SimDevice
+
+    back = host_tensors(gpu.Model(CONFIG, TENSORS, device=SimDevice(checks=False)))
+    assert sorted(back) == sorted(TENSORS)
+    for name, value in TENSORS.items():
+        np.testing.assert_array_equal(back[name], np.asarray(value, dtype=np.float32), err_msg=name)

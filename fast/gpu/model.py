@@ -94,6 +94,14 @@ class Model:
                                     context=self.device.context)
         return GpuBackend(self, draws, batch_size, observer=observer, logits_hook=logits_hook)
 
+    def diagnose_non_finite(self, error: Exception, canvas: np.ndarray, cache: Any) -> Exception:
+        """The error for NaN/+inf logits the sampling kernel flagged (``error``) in a decoder pass over ``canvas``
+        (B, C) with ``cache``: the reference's ``NonFiniteError`` naming the layer, from a host re-run
+        (``diagnosis.diagnose``; the GPU's pass itself has no per-layer checks)."""
+        from .diagnosis import diagnose
+
+        return diagnose(self, error, canvas, cache)
+
     def softcapped_host_logits(self, buffer, rows: np.ndarray, cap: float) -> np.ndarray:
         """Rows ``rows`` of a (B, C, V) device buffer of raw logits, soft-capped, on the host (observers)."""
         host = self.device.to_host(buffer)[rows]

@@ -115,7 +115,10 @@ class GpuBackend:
                                   0.0 if temp is None else float(temp),
                                   None if uniforms is None else dev.to_device(uniforms[live].reshape(-1)),
                                   out.argmax, out.entropy, out.sampled, out.flags))
-        raise_for_flags(dev.to_host(out.flags), flat, C, temp)
+        try:
+            raise_for_flags(dev.to_host(out.flags), flat, C, temp)
+        except SamplingError as error:  # NaN/+inf logits: name the layer, as the CPU paths do
+            raise self.model.diagnose_non_finite(error, canvas, self.cache) from None
         sampled = np.zeros((B, C), dtype=np.int64)  # rows not decoded: the loop reports their frozen canvas
         if uniforms is None:  # any other draw source decides on the host, from the probabilities
             probs = dev.to_host(self.buffer)
