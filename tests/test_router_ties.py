@@ -103,3 +103,23 @@ def test_crosscheck_reports_an_exact_router_tie_as_undefined_upstream(tied_check
     assert rows and all(r.max_abs_diff > r.tolerance and r.undefined_upstream for r in rows)
     assert all(g.divergence is None and any("undefined upstream" in n for n in g.notes) for g in report.generation)
     assert report.agree and "undefined upstream" in report.to_text() and "DIFFER" not in report.to_text()
+
+
+def test_a_tie_does_not_excuse_a_difference_it_does_not_explain(tied_checkpoint):
+    """Only a difference that torch's CPU order removes is called undefined upstream; a peer that is off by
+    more, with the same ties in the inputs, still differs."""
+    from diffusiongemma.crosscheck import _forward_router_ties, _TieWatch, _with_router
+    from diffusiongemma.crosscheck.common import forward_inputs, forward_rows, reference_forward
+
+    model = Model.from_pretrained(tied_checkpoint[1])
+    watch = _TieWatch()
+    x = forward_inputs(model.config, 0, 0.8)
+    ours = reference_forward(_with_router(model, watch), x)
+    assert watch.rows > 0
+    torch_order = reference_forward(_with_router(model, torch_cpu_top_k), x)
+    tol = {name: 1e-4 for name in ours}
+    for shift, explained in ((0.0, True), (0.5, False)):
+        peer = {name: z + np.float32(shift) for name, z in torch_order.items()}
+        rows = forward_rows(ours, peer, tol)
+        _forward_router_ties(rows, watch, model, x, peer)
+        assert all(bool(r.undefined_upstream) == explained and r.ok == explained for r in rows if not r.probe)

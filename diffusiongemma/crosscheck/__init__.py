@@ -246,6 +246,10 @@ def crosscheck(peer: str, model_dir: str | os.PathLike | None = None, *, seed: i
         report = Report(peer=peer, peer_version=peer_version, model=label, tolerance_note=note,
                         forward=forward_rows(ours, peer_out, tol))
         _forward_router_ties(report.forward, watch, ours_model, x, peer_out)
+        if watch.rows and not all(r.ok or r.probe for r in report.forward):
+            report.defects.append(f"exact ties among router probabilities at the K-th place ({watch.rows} token "
+                                  "routings) in the forward inputs; the peer's order among equal values is its "
+                                  "own (trap T25), and torch's CPU order did not explain the difference")
         # A second run per configuration with loose stopping (stability 0, confidence 1.5 nats), so that rows
         # stop early and the stopping rules (and diffusers' reading of stability 0 as 1) are compared too.
         early = settings.replace(confidence_threshold=max(LOOSE_CONFIDENCE, settings.confidence_threshold or 0.0),
@@ -293,6 +297,9 @@ def _generation_router_ties(row: GenerationRow, watch: _TieWatch, model: Any, pr
                                     f"difference was at canvas {d.canvas}, {where}, stage {d.stage})"))
         summary.pop("context_notes", None)
         row.teacher_forced, row.divergence = summary, None
+    else:
+        row.notes.append(f"exact ties among router probabilities at the K-th place ({watch.rows} token routings) "
+                         "were seen in this run; torch's CPU order did not explain the difference (trap T25)")
 
 
 def _versus_transformers(model, prompt, settings, run, label) -> str:
