@@ -107,3 +107,33 @@ def test_convert_draws_no_progress_bar_into_a_stderr_that_is_not_a_terminal(tmp_
             return True
     assert show_progress(None, Terminal()) and not show_progress(False, Terminal())
     assert not show_progress(None, open(tmp_path / "log", "w"))
+
+
+def _readme_block(marker: str) -> str:
+    import os
+    import re
+
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    with open(readme, encoding="utf-8") as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), flags=re.DOTALL)
+    found = [b for b in blocks if marker in b]
+    assert len(found) == 1, f"README: {len(found)} bash blocks hold {marker!r}"
+    return found[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("marker,expected", [("tiny-q8_0.gguf", "And God said"), ("tiny-chat", "")])
+def test_the_readmes_shipped_model_examples_run_from_any_folder(tmp_path, marker, expected):
+    """#33: the README's `convert diffusiongemma/assets/tiny-kjv tiny-q8_0.gguf` worked only from the clone's
+    root, and its --chat example needed a checkpoint with a chat template. Both blocks run as written in an
+    empty folder elsewhere."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", _readme_block(marker)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert any(line.startswith(expected) and len(line.strip()) > len(expected)  # the generated text
+               for line in proc.stdout.splitlines()), proc.stdout
+    assert "tokens in" in proc.stderr and "Traceback" not in proc.stderr
