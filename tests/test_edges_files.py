@@ -121,6 +121,18 @@ def test_one_element_tensor_relabelled_to_a_smaller_type_is_refused(tmp_path, q8
         gguf_reader.GGUFCheckpoint.open(path)
 
 
+@pytest.mark.parametrize("new_type", [28, 26], ids=["F64", "I32"])
+def test_tensor_relabelled_to_a_type_no_weight_has_is_refused(tmp_path, q8_gguf, new_type):
+    """F32 -> F64 (the scalar read with four zero padding bytes: 0.0) or I32 (same size, its bits as an integer)."""
+    path, data = _copy(q8_gguf, tmp_path / "relabelled.gguf")
+    name = "blk.0.enc_layer_output_scale.weight"
+    struct.pack_into("<I", data, _tensor_info_type_offset(data, name), new_type)
+    open(path, "wb").write(data)
+    with pytest.raises(CheckpointError, match=rf"relabelled\.gguf: tensor '{name}' has type (F64|I32); "
+                                              r"DiffusionGemma weights are F32, F16, BF16 or a quantized type"):
+        checkpoint_io.load_checkpoint(path)
+
+
 @pytest.mark.parametrize("delta", [-7, -2, 2, 9])
 def test_wrong_metadata_count_is_a_metadata_error(tmp_path, q8_gguf, delta):
     """A metadata count off by more than one used to be reported as a tensor error (only +-1 was tried)."""

@@ -873,10 +873,14 @@ def gguf_name(name: str) -> str:
     return GGUF_NAMES[rest].format(l=layer)
 
 
+_NOT_WEIGHT_TYPES = frozenset({"F64", "I8", "I16", "I32", "I64"})  # ggml types no weight of this model has
+
+
 def plan_gguf(checkpoint: GGUFCheckpoint) -> dict[str, tuple[str, ...]]:
     """Project name -> the GGUF tensor(s) it is read from, checking names and shapes from headers alone.
 
-    Raises ``CheckpointError`` naming the GGUF tensor for a missing, unknown or misshapen tensor.
+    Raises ``CheckpointError`` naming the GGUF tensor for a missing, unknown or misshapen tensor, or one of a
+    type no weight has (F64, integers).
     """
     config, path = checkpoint.config, checkpoint.path
     expected = expected_shapes(config)
@@ -910,6 +914,12 @@ def plan_gguf(checkpoint: GGUFCheckpoint) -> dict[str, tuple[str, ...]]:
         if checkpoint.numpy_shape(OUTPUT) != expected["embed_tokens"]:
             raise CheckpointError(f"{path}: tensor {OUTPUT!r} has numpy shape {checkpoint.numpy_shape(OUTPUT)}, "
                                   f"expected {expected['embed_tokens']} (tied to token_embd.weight)")
+    for name in sorted(used & set(checkpoint.tensors)):
+        kind = checkpoint.tensors[name].tensor_type.name
+        if kind in _NOT_WEIGHT_TYPES:  # e.g. an F32 tensor relabelled F64 or I32: same size, misread values
+            raise CheckpointError(f"{path}: tensor {name!r} has type {kind}; DiffusionGemma weights are F32, F16, "
+                                  "BF16 or a quantized type (no converter writes another, llama.cpp computes with "
+                                  "no other)")
     unknown = sorted(set(checkpoint.tensors) - used)
     if unknown:
         message = f"{path}: unknown tensor {unknown[0]!r}"
