@@ -30,7 +30,8 @@ The layout reproduced is what llama.cpp's converter (``conversion/diffusion_gemm
 Dequantization: every tensor type ``gguf.quants.dequantize`` handles (F32, F16, BF16, Q4_0..Q8_0, the
 K-quants Q2_K..Q6_K, the IQ types, ...) is widened to float32, one tensor at a time; tensor bytes are read
 with ``os.pread`` at the tensor's offset, through the descriptor the header was read from (a file renamed
-over the path meanwhile cannot mix its bytes in), so the file is never held in memory whole.
+over the path meanwhile cannot mix its bytes in), so the file is never held in memory whole. F64 and the
+integer types are refused for weights (no converter writes them; a relabelled F32 tensor would be misread).
 
 Layout checks (``read_gguf_header``, before any metadata is interpreted): the header is walked with our own
 parser and refused with ``GGUFLayoutError`` (a ``CheckpointError``) naming the key or tensor and the expected
