@@ -79,6 +79,8 @@ def load_checkpoint(path: str, backend: str = "reference", attempts: int = 3):
             if fd is not None:
                 os.close(fd)
         if _identity(path) == before:
+            if text_side.chat_template_source and pinned != path:  # messages name the user's path
+                text_side.chat_template_source = text_side.chat_template_source.replace(pinned, path)
             return text_side, model
     raise CheckpointReplaced(f"{path}: a replace is in progress (the checkpoint was replaced while it was being "
                              f"read, {attempts} times in a row: a `convert --force` to it?); run again once it has "
@@ -160,6 +162,7 @@ class TextSide:
     chat_template: str | None  # Jinja source, or None when the checkpoint has none
     bos_token: str | None
     eos_token: str | None
+    chat_template_source: str | None = None  # the file (or GGUF key) the template came from, for messages
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -192,7 +195,8 @@ class TextSide:
             # a template is a program: the sandbox refuses a huge range() with OverflowError, a bad filter
             # argument is a TypeError...; each is the template's fault, said in one line
             detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-            raise CheckpointError(f"the checkpoint's chat template failed to render: {detail} "
+            where = f"{self.chat_template_source}: " if self.chat_template_source else ""
+            raise CheckpointError(f"{where}the checkpoint's chat template failed to render: {detail} "
                                   f"({type(exc).__name__})") from None
 
 
@@ -209,7 +213,7 @@ def load_text_side(path: str) -> TextSide:
         if not os.path.isfile(os.path.join(beside, "tokenizer.json")):
             from diffusiongemma.weights_converter.gguf import gguf_text_side
 
-            return TextSide(*gguf_text_side(path))
+            return TextSide(*gguf_text_side(path), chat_template_source=f"{path} (tokenizer.chat_template)")
         path = beside
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
@@ -230,9 +234,10 @@ def load_text_side(path: str) -> TextSide:
             raise CheckpointError(f"{config_file!r} is not valid UTF-8 JSON: {exc}") from None
         if not isinstance(config, dict):
             raise CheckpointError(f"{config_file!r} must hold a JSON object, got {type(config).__name__}")
-    template = None
+    template, source = None, None
     template_file = os.path.join(path, "chat_template.jinja")
     if os.path.isfile(template_file):
+        source = template_file
         try:
             with open(template_file, encoding="utf-8") as f:
                 template = f.read()
@@ -240,6 +245,7 @@ def load_text_side(path: str) -> TextSide:
             raise CheckpointError(f"{template_file!r} is not UTF-8 text: {exc}") from None
     else:
         template = _config_template(config.get("chat_template"), config_file)
+        source = f"{config_file} (chat_template)" if template is not None else None
 
     def token(name):
         value = config.get(name)
@@ -249,7 +255,7 @@ def load_text_side(path: str) -> TextSide:
                                   f"got {value!r:.80}")
         return value
 
-    return TextSide(tokenizer, template, token("bos_token"), token("eos_token"))
+    return TextSide(tokenizer, template, token("bos_token"), token("eos_token"), source)
 
 
 def _config_template(value: Any, config_file: str) -> str | None:

@@ -327,9 +327,11 @@ def test_chat_template_that_overflows_the_sandbox_is_named(tmp_path, capsys):
     side = TextSide(tokenizer=None, chat_template=template, bos_token=None, eos_token=None)
     with pytest.raises(CheckpointError, match=r"the checkpoint's chat template failed to render: Range too big"):
         side.apply_chat_template("hi")
-    rc, err = _generate(capsys, _checkpoint_with(tmp_path, template=template), "--chat")
+    model = _checkpoint_with(tmp_path, template=template)
+    rc, err = _generate(capsys, model, "--chat")
     assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert "the checkpoint's chat template failed to render" in err and "OverflowError" in err
+    assert f"{model}/chat_template.jinja: the checkpoint's chat template failed to render" in err
+    assert "OverflowError" in err
 
 
 def test_tokenizer_files_of_a_directory_are_checked_by_name(tmp_path):
