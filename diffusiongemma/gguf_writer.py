@@ -443,10 +443,16 @@ def write_model_gguf(model: Any, text_source: str | os.PathLike, dst: str | os.P
         freqs = _rope_freqs(config)
         if freqs is not None:
             tensors.append((ROPE_FREQS, freqs))
+        payload = 0
         for gname, array in tensors:
             qtype = _storage_type(gguf, gname, array, gguf_type)
-            w.add_tensor(gname, _encode(gguf, array, qtype), raw_dtype=qtype)
+            encoded = _encode(gguf, array, qtype)
+            payload += encoded.nbytes
+            w.add_tensor(gname, encoded, raw_dtype=qtype)
             counts[qtype.name] = counts.get(qtype.name, 0) + 1
+        from diffusiongemma.weights_converter.writer import check_free_space
+
+        check_free_space(dst, payload)  # a disk that cannot hold the tensors: said before a byte is written
         try:
             w.write_header_to_file()
             w.write_kv_data_to_file()

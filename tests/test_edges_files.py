@@ -406,6 +406,18 @@ def test_gguf_export_onto_a_full_disk_says_so(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def test_gguf_export_checks_free_space_before_writing(tmp_path, monkeypatch):
+    class Usage:
+        free = 1000
+
+    monkeypatch.setattr(writer.shutil, "disk_usage", lambda path: Usage)
+    dst = tmp_path / "small.gguf"
+    with pytest.raises(writer.WriteError, match=rf"cannot write {dst}: no space left on device \(the output needs "
+                                                r"[\d,]+ bytes but .* has 1,000 bytes free\); nothing was written"):
+        gguf_writer.write_gguf(SHIPPED, dst, "q8_0")
+    assert os.listdir(tmp_path) == []
+
+
 _HOLD_PARTIAL = textwrap.dedent("""
     import sys, time
     from diffusiongemma.gguf_writer import _begin_export

@@ -100,8 +100,8 @@ def check_free_space(dst: str | os.PathLike, needed: int) -> None:
     except OSError:
         return
     if needed > free:
-        raise WriteError(errno.ENOSPC, f"cannot write {os.fspath(dst)}: the output needs {needed:,} bytes but "
-                                       f"{parent} has {free:,} bytes free; nothing was written")
+        raise WriteError(errno.ENOSPC, f"cannot write {os.fspath(dst)}: no space left on device (the output needs "
+                                       f"{needed:,} bytes but {parent} has {free:,} bytes free); nothing was written")
 
 
 def check_finite(array: np.ndarray, name: str = "tensor") -> None:
