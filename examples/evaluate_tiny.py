@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -292,8 +294,10 @@ def load_model(path: str, device: str = "cpu"):
     return model, Tokenizer.from_file(str(p / "tokenizer.json"))
 
 
-def evaluate(path: str, data: Path, args, device: str = "cpu", say=print) -> dict:
-    """Every measure of one checkpoint (see the module docstring), as a dict; prints as it goes."""
+def evaluate(path: str, data: Path, args, device: str = "cpu", say=print, deadline: float = math.inf) -> dict:
+    """Every measure of one checkpoint (see the module docstring), as a dict; prints as it goes. Past
+    ``deadline`` (a ``time.time()``) no further sample is started: the default runs come first, then the
+    other prompts, and ``res["cut_short"]`` says when samples were left out."""
     model, tokenizer = load_model(path, device)
     if args.steps:
         model.generation_config.max_denoising_steps = args.steps
@@ -338,22 +342,30 @@ def evaluate(path: str, data: Path, args, device: str = "cpu", say=print) -> dic
         j = int(rng.integers(0, max(1, len(ch) - 64)))
         words4 = tokenizer.decode(ch[j:j + 40].tolist()).split()[1:5]  # skip a possibly cut first word
         prompts.append(" ".join(words4))
+    runs, cut = [], 0
+    for seed in range(args.seeds):
+        if time.time() > deadline:
+            cut += 1
+            continue
+        s = sample(model, tokenizer, DEFAULT_PROMPT, seed, args.max_new_tokens)
+        runs.append(dict(seed=seed, text=s["text"], canvases=s["canvases"], eos=s["eos"], steps=s["steps"],
+                         tokens_per_forward=s["tokens_per_forward"]))
     samples = []
-    for j, p in enumerate(prompts if args.samples >= 0 else ()):
+    for j, p in enumerate(prompts):
+        if time.time() > deadline:
+            cut += 1
+            continue
         s = sample(model, tokenizer, p, args.seed + j, args.max_new_tokens)
         s["prompt"] = p
         samples.append(s)
         t = s["text"]
         say(f"\n[{p}] ->{'' if t.startswith(' ') else ' '}{t}{'  <eos>' if s['eos'] else ''}\n"
             f"   ({s['canvases']} canvases, steps {s['steps']}, tokens/forward {s['tokens_per_forward']:.2f})")
-    runs = []
-    for seed in range(args.seeds):
-        s = sample(model, tokenizer, DEFAULT_PROMPT, seed, args.max_new_tokens)
-        runs.append(dict(seed=seed, text=s["text"], canvases=s["canvases"], eos=s["eos"], steps=s["steps"],
-                         tokens_per_forward=s["tokens_per_forward"]))
+    if cut:
+        say(f"\n{cut} samples left out: the evaluation's --minutes ran out")
     all_ = samples + runs
     steps = [n for s in all_ for n in s["steps"]]
-    res.update(samples=samples, default_runs=runs, planned_canvases=-(-args.max_new_tokens // C),
+    res.update(samples=samples, default_runs=runs, cut_short=cut, planned_canvases=-(-args.max_new_tokens // C),
                mean_tokens_per_forward=float(np.mean([s["tokens_per_forward"] for s in all_])) if all_ else float("nan"),
                mean_steps_per_canvas=float(np.mean(steps)) if steps else float("nan"),
                mean_canvases=float(np.mean([s["canvases"] for s in runs])) if runs else float("nan"),
@@ -400,13 +412,15 @@ def markdown(results: list, data: Path, args, chars: int = 240) -> str:
     row("mean canvases per run", lambda r: _f(r["mean_canvases"], 2))
     row("runs ending in `<eos>`", lambda r: f"{r['eos_runs']}/{len(r['default_runs'])}")
     row("tokens per decoder forward", lambda r: _f(r["mean_tokens_per_forward"], 2))
+    row("samples measured (prompts + seeds of the default run)",
+        lambda r: f"{len(r['samples'])} + {len(r['default_runs'])}"
+                  + (f" ({r['cut_short']} left out: time)" if r.get("cut_short") else ""))
     out = [head, rule, *rows, "",
            f"Reference point: word pairs drawn independently by corpus frequency (a unigram model of the "
-           f"words) are corpus bigrams {uni:.3f} of the time. Measured with transformers' `generate` and "
-           f"each checkpoint's `generation_config.json` ({args.max_new_tokens} new tokens), on "
-           f"{len(results[0][1]['samples']) + len(results[0][1]['default_runs'])} samples per model: "
-           f"the {len(results[0][1]['samples'])} prompts of `evaluate_tiny.py` and `{DEFAULT_PROMPT}` "
-           f"with seeds 0-{args.seeds - 1}.", ""]
+           f"words) are corpus bigrams {uni:.3f} of the time. Samples: transformers' `generate` with each "
+           f"checkpoint's `generation_config.json`, {args.max_new_tokens} new tokens, the prompts of "
+           f"`evaluate_tiny.py` and `{DEFAULT_PROMPT}` with seeds 0-{args.seeds - 1}; the word measures count "
+           f"every sample.", ""]
     for label, r in results:
         out.append(f"Samples, {label} (`{DEFAULT_PROMPT}`, `torch.manual_seed(seed)`, first {chars} characters):")
         out.append("")
@@ -440,17 +454,31 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default="", help="also write the numbers to this file")
     ap.add_argument("--markdown", default="", help="also write the comparison table and samples here")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--minutes", type=float, default=0.0,
+                    help="budget (0: none): past it no further sample starts, the measures use those written")
+    ap.add_argument("--baseline-json", default="",
+                    help="take the baseline's measures from this --json file of an earlier run, not --baseline")
     args = ap.parse_args(argv)
+    t0 = time.time()
+    deadline = t0 + args.minutes * 60 if args.minutes else math.inf
     torch.set_num_threads(args.threads)
     device = TT.pick_device(args.device).type
     data = Path(args.data_dir)
     if args.model and (args.baseline or args.candidate):
         raise SystemExit("give --model, or --baseline and/or --candidate, not both")
+    if args.baseline and args.baseline_json:
+        raise SystemExit("give --baseline or --baseline-json, not both")
+    results = []
+    if args.baseline_json:
+        old = json.loads(Path(args.baseline_json).read_text())
+        old = old if "default_runs" in old else next(iter(old.values()))  # a single- or two-model file
+        results.append((f"baseline: `{Path(old['model']).name}`", old))
     todo = ([("baseline", args.baseline)] if args.baseline else []) + \
         ([("candidate", args.candidate)] if args.candidate else [])
-    if not todo:
+    if not todo and not results:
         todo = [("model", args.model or str(HERE.parent / "diffusiongemma" / "assets" / "tiny-kjv"))]
-    results = [(f"{label}: `{Path(path).name}`", evaluate(path, data, args, device)) for label, path in todo]
+    for label, path in todo:  # the candidate gets what the baseline left of the budget
+        results.append((f"{label}: `{Path(path).name}`", evaluate(path, data, args, device, deadline=deadline)))
     md = markdown(results, data, args, args.sample_chars)
     print("\n" + md)
     out = {label: r for label, r in results}

@@ -12,8 +12,10 @@ Stages (each a subprocess with a hard time limit, so a hung stage cannot eat the
 2. **train**: ``train_tiny.py`` with what is left of ``--minutes`` after the data stage and the
    evaluation's share (``--eval-minutes``), writing the checkpoint and its resumable state under
    ``--work`` and the training log to ``OUT/train_log.txt``. ``--resume`` continues the state left there.
-3. **evaluate**: ``evaluate_tiny.py --baseline BASELINE --candidate NEW`` on what is left, writing
-   ``OUT/evaluation.md`` (the table and samples for examples/README.md) and ``OUT/evaluation.json``.
+3. **evaluate**: ``evaluate_tiny.py --baseline BASELINE --candidate NEW`` (or ``--baseline-json`` with the
+   old model's stored measures) on what is left, writing ``OUT/evaluation.md`` (the table and samples for
+   examples/README.md) and ``OUT/evaluation.json``. Past its budget it starts no further sample and
+   reports on those it has.
 4. **pack**: the new checkpoint folder as ``OUT/model.tar``, cut into parts of at most ``--part-mib``
    MiB (``model.tar.part00``, ...) when larger, so that it comes back from a machine that returns few,
    small files. Unpack with ``cat OUT/model.tar* | tar -x -C DEST``.
@@ -137,7 +139,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--baseline", default=str(ROOT / "diffusiongemma" / "assets" / "tiny-kjv"),
                     help="the old model for the comparison ('' : evaluate the new one alone)")
-    ap.add_argument("--eval-minutes", type=float, default=1.5, help="kept back for the evaluation")
+    ap.add_argument("--baseline-json", default="",
+                    help="the old model's measures from an earlier evaluate_tiny.py --json (instead of "
+                         "evaluating --baseline again: saves the GPU's time)")
+    ap.add_argument("--eval-minutes", type=float, default=2.0, help="kept back for the evaluation")
     ap.add_argument("--train-args", default="", help="more train_tiny.py flags (one string)")
     ap.add_argument("--eval-args", default="", help="more evaluate_tiny.py flags (one string)")
     ap.add_argument("--resume", action="store_true", help="continue the training state left in --work")
@@ -188,13 +193,15 @@ def main(argv=None) -> dict:
     # 3. evaluate, on what is left (less a few seconds for packing)
     cmd = [py, HERE / "evaluate_tiny.py", "--candidate", model_dir, "--data-dir", data, "--device", device,
            "--markdown", out / "evaluation.md", "--json", out / "evaluation.json", *shlex.split(args.eval_args)]
-    if args.baseline:
+    if args.baseline_json:
+        cmd += ["--baseline-json", args.baseline_json]
+    elif args.baseline:
         cmd += ["--baseline", args.baseline]
     if R.left() < 20:
         R.say("## evaluate: skipped, no time left")
         R.stages.append(dict(stage="evaluate", rc=None, seconds=0))
-    else:
-        R.run("evaluate", cmd, R.left() - 10)
+    else:  # its own budget stops sampling in time; the hard limit is a last resort
+        R.run("evaluate", cmd + ["--minutes", f"{(R.left() - 20) / 60:.3f}"], R.left() - 8)
 
     # 4. pack the new model into a few files
     ts = time.time()

@@ -34,5 +34,9 @@ print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), '| transfor
     || { echo "transformers has no DiffusionGemmaForBlockDiffusion: carry the 5.24.0 wheel in .whl/"; exit 2; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
 
+# the shipped model's measures were taken on the CPU (examples/eval_tiny-kjv.json): the GPU evaluates the new one only
+BASE=(--baseline diffusiongemma/assets/tiny-kjv)
+[ -f examples/eval_tiny-kjv.json ] && BASE=(--baseline-json examples/eval_tiny-kjv.json)
 exec "$PY" examples/pipeline.py --minutes "${MINUTES:-6}" --out "$OUT_DIR" --work /tmp/dg_work \
-    --preset "${PRESET:-cpu-max}" --device auto --train-args "${TRAIN_ARGS:-}" --eval-args "${EVAL_ARGS:-}"
+    --preset "${PRESET:-cpu-max}" --device auto "${BASE[@]}" --train-args "${TRAIN_ARGS:-}" \
+    --eval-args "${EVAL_ARGS:-}"

@@ -88,6 +88,12 @@ PRESETS = {
                     layer_types=[SLIDING, FULL, SLIDING, FULL, SLIDING, FULL], num_attention_heads=4,
                     num_key_value_heads=2, num_global_key_value_heads=1, head_dim=64, global_head_dim=128,
                     num_experts=8, top_k_experts=2, sliding_window=32, canvas_length=32),
+    # cpu-max with four layers and narrower experts: 8.7 M parameters, a bf16 file as large as the
+    # shipped fp32 one (17 MiB)
+    "cpu-mid": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=192,
+                    layer_types=[SLIDING, FULL, SLIDING, FULL], num_attention_heads=4,
+                    num_key_value_heads=2, num_global_key_value_heads=1, head_dim=64, global_head_dim=128,
+                    num_experts=8, top_k_experts=2, sliding_window=32, canvas_length=32),
     # seconds-sized, for tests/test_train_pipeline.py (every code path, no quality)
     "test": dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16, layer_types=[SLIDING, FULL],
                  num_attention_heads=2, num_key_value_heads=1, num_global_key_value_heads=1, head_dim=16,
@@ -112,6 +118,7 @@ class TrainConfig:
     log: str = str(HERE / "train_log.txt")  # loss log (appended; every line is also printed)
     preset: str = "shipped"  # model size: a key of PRESETS
     device: str = "auto"  # auto (cuda when available), cpu or cuda
+    amp: str = "auto"  # bf16 autocast: auto (on CUDA only), bf16 (also on the CPU: tests the path), off
     batch_size: int = 16  # B
     data: str = "chapters"  # "chapters": running text (make_running_batch); "verses": one verse + EOS
     max_context: int = 224  # chapters: most context tokens before the canvas (prompt is <bos> + these)
@@ -562,13 +569,16 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
     if cfg.resume:
         state = torch.load(resume_file(cfg.resume), map_location="cpu", weights_only=False)
         saved = dict(state["cfg"])
-        for k in ("minutes", "session_steps", "device", "log", "out", "resume", "save_every_minutes",
+        for k in ("minutes", "session_steps", "device", "amp", "log", "out", "resume", "save_every_minutes",
                   "eval_every", "eval_every_minutes", "log_every", "threads", "max_steps"):
             saved[k] = getattr(cfg, k)
         cfg = TrainConfig(**saved)
         spec = ModelSpec(**state["spec"])
     device = pick_device(cfg.device)
     cuda = device.type == "cuda"
+    if cfg.amp not in ("auto", "bf16", "off"):
+        raise ValueError(f"--amp must be auto, bf16 or off, got {cfg.amp!r}")
+    amp = cfg.amp == "bf16" or (cfg.amp == "auto" and cuda)
     torch.set_num_threads(cfg.threads)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -650,7 +660,7 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
         return x, valid, P, R, {k: v.to(device, non_blocking=True) for k, v in noise.items()}
 
     def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
 
     @torch.no_grad()
     def evaluate() -> tuple[dict, float]:
@@ -683,7 +693,7 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
         return time.time() - ts
 
     say(f"# {'resume' if state is not None else 'start'} {time.strftime('%Y-%m-%d %H:%M:%S')} device {device}"
-        f"{' (' + torch.cuda.get_device_name(device) + ', bf16 autocast)' if cuda else ''}, budget "
+        f"{' (' + torch.cuda.get_device_name(device) + ')' if cuda else ''}{', bf16 autocast' if amp else ''}, budget "
         f"{cfg.minutes:g} min, {budget.left() / 60:.2f} left after loading")
     say(f"# config {json.dumps(asdict(cfg))}")
     say(f"# model {json.dumps(asdict(spec))} text params {n_params}")

@@ -131,6 +131,17 @@ def test_time_budget_is_kept(data_dir, tmp_path):
     assert out["evals"][-1]["step"] == out["step"]  # the final evaluation is logged
 
 
+def test_bf16_autocast_path_runs(data_dir, tmp_path):
+    """The GPU's bf16 autocast, taken on the CPU (--amp bf16): the same step in bf16 trains, with finite
+    losses that differ from the fp32 run's (so autocast was on)."""
+    fp32 = TT.train(cfg(data_dir, tmp_path / "a", max_steps=2, eval_every=1))
+    bf16 = TT.train(cfg(data_dir, tmp_path / "b", max_steps=2, eval_every=1, amp="bf16"))
+    la, lb = [e["loss"] for e in fp32["evals"]], [e["loss"] for e in bf16["evals"]]
+    assert all(math.isfinite(x) for x in lb) and len(lb) == 3
+    assert la != lb and max(abs(x - y) for x, y in zip(la, lb)) < 0.1
+    assert "bf16 autocast" in (tmp_path / "b.log").read_text()
+
+
 def test_bf16_storage_loads_everywhere(data_dir, tmp_path):
     from safetensors import safe_open
     from transformers import DiffusionGemmaForBlockDiffusion
@@ -194,6 +205,20 @@ def test_pipeline_end_to_end(data_dir, tmp_path):
     assert sum(line.startswith("seed ") for line in md.splitlines()) == 20  # ten samples per model
     log = (out / "train_log.txt").read_text()
     assert "eval        8  heldout loss" in log
+
+    # the GPU script's form: the shipped model's stored measures beside the unpacked new model
+    import evaluate_tiny as ET
+
+    with tarfile.open(out / "model.tar") as tf:
+        tf.extractall(tmp_path / "unpacked", filter="data")
+    res = ET.main(["--baseline-json", str(EXAMPLES / "eval_tiny-kjv.json"), "--candidate",
+                   str(tmp_path / "unpacked" / "tiny-kjv-new"), "--data-dir", str(data_dir), "--batches", "1",
+                   "--batch-size", "4", "--samples", "0", "--seeds", "2", "--max-new-tokens", "8",
+                   "--markdown", str(tmp_path / "cmp.md")])
+    md = (tmp_path / "cmp.md").read_text()
+    assert "| measure | baseline: `tiny-kjv` | candidate: `tiny-kjv-new` |" in md
+    assert "| 2.797 |" in md  # the shipped model's held-out canvas CE, as examples/README.md quotes it
+    assert len(res) == 2
 
 
 def test_word_measures():
