@@ -19,6 +19,8 @@ softmax, a query that sees no key gets zeros); sums run in BLAS order.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 SCORE_BUDGET = 1 << 22  # floats of one score buffer (16 MiB): queries are chunked to stay below it
@@ -43,9 +45,7 @@ def attend(model, q: np.ndarray, q_pos: np.ndarray, cache_k: np.ndarray, cache_v
     r = n_h // g
     n_new = new_k.shape[2]
     cache_positions = slot_pos[:n_cache]
-    chunk = max(1, min(S, SCORE_BUDGET // max(1, r * (n_cache + n_new))))
-    if causal and window > 0:  # a chunk sees at most chunk + window - 1 new keys
-        chunk = max(1, min(S, SCORE_BUDGET // max(1, r * (n_cache + 2 * window))))
+    chunk = query_chunk(S, r, n_cache, n_new, window, causal)
     heads = out.reshape(N, S, g, r, d)  # view: (row, query, kv head, shared query head, dim)
     cached_real = ws.get("attn_cached_real", (n_cache,), np.uint8)
     for n in range(N):
@@ -76,6 +76,23 @@ def attend(model, q: np.ndarray, q_pos: np.ndarray, cache_k: np.ndarray, cache_v
                 if hi > lo:
                     xp.matmul(scores[:, :, c_hi:], new_v[n, j, lo:hi], out=spare)
                     xp.add(oj, spare, out=oj)
+
+
+def query_chunk(S: int, r: int, n_cache: int, n_new: int, window: int, causal: bool) -> int:
+    """Queries per chunk, so that one (r, chunk, T) score buffer stays within ``SCORE_BUDGET`` floats.
+
+    A chunk of c queries sees T <= n_cache + n_new keys; with causal sliding attention (window W > 0) also
+    T <= n_cache + c + W - 1 (``_key_ranges``), which bounds c by the positive root of c (c + a) = budget,
+    a = n_cache + W - 1. The larger of the two bounds holds; so a small window no longer lets a long prompt's
+    chunk grow to the whole prompt (S^2 scores), and a window larger than the prompt (even 2^31 - 1) no
+    longer shrinks chunks to one query.
+    """
+    budget = SCORE_BUDGET // max(1, r)
+    chunk = budget // max(1, n_cache + n_new)
+    if causal and window > 0 and n_new:
+        a = n_cache + window - 1
+        chunk = max(chunk, (math.isqrt(a * a + 4 * budget) - a) // 2)
+    return max(1, min(S, chunk))
 
 
 def _key_ranges(n_cache: int, n_new: int, s0: int, s1: int, window: int, causal: bool, q_pos: np.ndarray,

@@ -380,3 +380,17 @@ def test_gpu_host_tensors_are_the_checkpoints():
     assert sorted(back) == sorted(TENSORS)
     for name, value in TENSORS.items():
         np.testing.assert_array_equal(back[name], np.asarray(value, dtype=np.float32), err_msg=name)
+
+
+def test_a_long_prompt_with_a_small_window_keeps_the_score_buffer_bounded():
+    """With W = 8 a causal sliding layer took a 1500-token prompt as one chunk of queries (1500 x 1500 scores per
+    head, over the 16 MiB budget; a 120k-token prompt would have wanted 115 GB); the chunk now follows the
+    window, and the keys are the reference's."""
+    from diffusiongemma.fast.attention import SCORE_BUDGET
+
+    ids = np.random.default_rng(1).integers(3, 125, (1, 1500))
+    model, ref = fast.Model(CONFIG, TENSORS), ReferenceModel(CONFIG, TENSORS)
+    cache, ref_cache = model.new_cache(1), ref.new_cache(1)
+    hidden = model.encode(ids, cache)
+    assert 0 < model.workspace._buffers[("attn_scores", np.float32)].size <= SCORE_BUDGET
+    np.testing.assert_allclose(hidden, ref.encode(ids, ref_cache), rtol=1e-3, atol=1e-3)
