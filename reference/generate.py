@@ -99,6 +99,13 @@ class DenoisingBackend(Protocol):
     ``revealed_all()``: (B,) bool rows whose acceptance stage ended them by itself (a peer's sampler that
         reveals every position); the spec's entropy bound never does.
     ``context()``: a context manager the whole run executes in (a GPU's device context).
+
+    Optional: ``run_canvas(k, canvas, draws, stopper, config, ended, forward_passes, callback, observer,
+    n_canvases, semantics)`` runs all of canvas k's steps at once and returns what ``denoise_canvas`` returns
+    (the committed draft, the steps executed) with the same effects (forward passes counted, the draw
+    source left where the steps leave it, the observer and callback told), or None to let ``denoise_canvas``
+    run them one ``step`` at a time. A GPU uses it to keep a canvas's state on the device
+    (``fast/gpu/canvas.py``); ``denoise_canvas`` below stays the specification of what a canvas does.
     """
 
     def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None, canvas: np.ndarray) -> None: ...
@@ -316,8 +323,13 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
             canvas = start_canvas if (k == 0 and start_canvas is not None) else initial
             observer.begin_canvas(canvas)
             backend.begin_canvas(cache, start_sc if k == 0 else None, canvas)  # later canvases: no SC (T11)
-            draft, steps = denoise_canvas(k, canvas, backend, draws, stopper, config, ended, forward_passes,
-                                          callback, observer, n_canvases, V, semantics)
+            # a backend may run the canvas's steps itself, with the same results (a GPU's device loop)
+            own = getattr(backend, "run_canvas", None)
+            ran = None if own is None else own(k, canvas, draws, stopper, config, ended, forward_passes, callback,
+                                               observer, n_canvases, semantics)
+            draft, steps = ran if ran is not None else denoise_canvas(
+                k, canvas, backend, draws, stopper, config, ended, forward_passes, callback, observer, n_canvases,
+                V, semantics)
             steps_per_canvas.append(steps)
 
             sequences, tokens, ended = commit_canvas(k, draft, steps, sequences, ended, stop_reasons, config,

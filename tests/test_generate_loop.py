@@ -361,3 +361,35 @@ def test_generation_config_precedence():
     explicit = GenerationConfig(max_denoising_steps=3, max_new_tokens=C)
     assert generate(model, ids, generation_config=explicit).steps_per_canvas == [3]
     assert generate(model, ids, generation_config=explicit, max_denoising_steps=1).steps_per_canvas == [1]
+
+
+def test_a_backend_that_runs_whole_canvases_goes_through_the_same_loop():
+    """The optional ``run_canvas`` of a backend (a GPU's device loop): the loop uses its answer, or runs the
+    spec's steps when it answers None; either way the run is the spec's."""
+    from diffusiongemma.reference.generate import ReferenceBackend, denoise_canvas
+
+    calls = []
+
+    class WholeCanvas(ReferenceBackend):
+        def run_canvas(self, k, canvas, draws, stopper, config, ended, forward_passes, callback, observer,
+                       n_canvases, semantics):
+            calls.append(k)
+            if k == 0:
+                return None  # the spec's loop, one step at a time
+            return denoise_canvas(k, canvas, self, draws, stopper, config, ended, forward_passes, callback,
+                                    observer, n_canvases, self.V, semantics)
+
+    class Model(ScriptedModel):
+        def denoising_backend(self, draws, batch_size, denoiser=None, observer=None, **options):
+            return WholeCanvas(self.denoise, draws, V, batch_size, max_steps=4)
+
+    kwargs = dict(max_new_tokens=3 * C, max_denoising_steps=4, stability_threshold=1, confidence_threshold=2.0)
+    prompt = np.array([[3, 4, 5], [6, 7, 8]])
+    draws_a, draws_b = SeededDraws(2), SeededDraws(2)
+    got = generate(Model(random_logits(1)), prompt, random=draws_a, **kwargs)
+    expected = generate(ScriptedModel(random_logits(1)), prompt, random=draws_b, **kwargs)
+    assert calls == [0, 1, 2]
+    np.testing.assert_array_equal(got.sequences, expected.sequences)
+    np.testing.assert_array_equal(got.forward_passes, expected.forward_passes)
+    assert got.steps_per_canvas == expected.steps_per_canvas
+    np.testing.assert_array_equal(draws_a.categorical_uniforms(1, 3), draws_b.categorical_uniforms(1, 3))

@@ -199,7 +199,12 @@ class Recorder:
     (3, 48, 0, 1.5, "recorded", "eos"),  # probabilities handed to the host draw source
     (2, 33, None, None, "seeded", "eos"),  # no adaptive stopping: always N steps
 ])
-def test_loop_matches_reference_loop_on_identical_logits(B, max_new, stability, confidence, draws, reaches):
+@pytest.mark.parametrize("options", [{}, {"sync_every": 1}, {"sync_every": 5}, {"device_loop": False}],
+                         ids=["device-loop", "flag-every-step", "flag-every-5", "spec-loop"])
+def test_loop_matches_reference_loop_on_identical_logits(B, max_new, stability, confidence, draws, reaches, options):
+    """The GPU backend's canvas loop on the device (``fast/gpu/canvas.py``; the stop flag read every 4, 1 or 5
+    steps) and through the spec's per-step loop: every step, the stop steps, the forward passes, and the
+    draw source's position afterwards equal the reference's on the same logits and draws."""
     config = tiny_config()
     _, fast = pair(config)
     ref_model = ReferenceModel(config, random_tensors(config))
@@ -208,12 +213,13 @@ def test_loop_matches_reference_loop_on_identical_logits(B, max_new, stability, 
                   eos_token_id=[1], pad_token_id=0, max_denoising_steps=12)
     source = (lambda: SeededDraws(5)) if draws == "seeded" else (lambda: RecordingDraws(SeededDraws(5)))
     rec_ref, rec_gpu = Recorder(), Recorder()
-    expected = reference_generate(ref_model, prompt, random=source(), denoiser=lambda c, cache, sc: fake_logits(c),
+    ref_draws, gpu_draws = source(), source()
+    expected = reference_generate(ref_model, prompt, random=ref_draws, denoiser=lambda c, cache, sc: fake_logits(c),
                                   callback=rec_ref, **kwargs)
-    got = gpu._generate(fast, prompt, None, None, random=source(), cache=None, decoder_input_ids=None,
-                        self_conditioning_logits=None, callback=rec_gpu,
-                        overrides=kwargs,
-                        logits_hook=lambda c, rows: fake_logits(c))
+    got = gpu.generate(fast, prompt, random=gpu_draws, callback=rec_gpu, **kwargs,
+                   backend_options=dict(options, logits_hook=lambda c, rows: fake_logits(c)))
+    # the stream continues where the reference's does (a canvas's draws are made ahead on the device loop)
+    np.testing.assert_array_equal(gpu_draws.categorical_uniforms(1, 4), ref_draws.categorical_uniforms(1, 4))
     np.testing.assert_array_equal(got.sequences, expected.sequences)
     np.testing.assert_array_equal(got.tokens_per_forward, expected.tokens_per_forward)
     np.testing.assert_array_equal(got.forward_passes, expected.forward_passes)
@@ -224,6 +230,8 @@ def test_loop_matches_reference_loop_on_identical_logits(B, max_new, stability, 
         np.testing.assert_array_equal(a.canvas, b.canvas)
         np.testing.assert_array_equal(a.accepted, b.accepted)
         np.testing.assert_array_equal(a.finished, b.finished)
+        np.testing.assert_array_equal(a.sampled, b.sampled)
+        assert (a.step, a.step_index, a.canvas_index) == (b.step, b.step_index, b.canvas_index)
         # the kernel's entropy (float32 exp, float64 sums per thread) is not the reference's bit for bit
         np.testing.assert_allclose(a.entropies, b.entropies, rtol=1e-4, atol=1e-5)
         assert a.temperature == b.temperature
@@ -299,3 +307,35 @@ def test_shipped_model_on_the_gpu_sim_backend_gives_the_reference_tokens():
     expected = generate_function("reference")(load_model(path, "reference"), prompt, **kwargs)
     np.testing.assert_array_equal(got.sequences, expected.sequences)
     assert got.steps_per_canvas == expected.steps_per_canvas
+
+
+def test_pairwise_mean_is_numpys_float32_mean_bit_for_bit():
+    """The stopping rule's mean entropy on the device (``canvas.pairwise_mean``) is NumPy's float32 mean, bit
+    for bit, for canvas lengths across the pairwise block sizes and values of any scale."""
+    from diffusiongemma.fast.gpu.canvas import pairwise_mean
+
+    rng = np.random.default_rng(0)
+    for C in list(range(1, 40)) + [63, 64, 65, 127, 128, 129, 200, 256, 257, 300, 512]:
+        H = (rng.random((4, C)) * rng.choice([1e-6, 1e-2, 1.0, 7.0, 1e4], (4, C))).astype(np.float32)
+        mine = pairwise_mean(np, H)
+        assert mine.dtype == np.float32
+        np.testing.assert_array_equal(mine.view(np.int32), np.mean(H, axis=-1, dtype=np.float32).view(np.int32),
+                                      err_msg=f"C={C}")
+
+
+def test_prefetched_draws_leave_the_stream_where_the_executed_steps_do():
+    """A canvas's draws made ahead (``canvas.prefetch_draws``) are the spec loop's, step by step, and putting
+    the generator back after s steps leaves it where s steps of the spec's loop leave it."""
+    from diffusiongemma.fast.gpu.canvas import prefetch_draws, restore_draws
+
+    B, C, V, N = 2, 5, 1000, 6
+    for s in range(N + 1):
+        ahead = SeededDraws(3)
+        uniforms, noise, states = prefetch_draws(ahead, N, B, C, V)
+        restore_draws(ahead, states, s)
+        spec = SeededDraws(3)
+        for i in range(s):
+            np.testing.assert_array_equal(uniforms[i], spec.categorical_uniforms(B, C))
+            np.testing.assert_array_equal(noise[i], spec.renoise_ids(B, C, V))
+        np.testing.assert_array_equal(ahead.canvas_ids(B, C, V), spec.canvas_ids(B, C, V))
+        np.testing.assert_array_equal(ahead.categorical_uniforms(B, C), spec.categorical_uniforms(B, C))

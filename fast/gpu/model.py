@@ -71,6 +71,7 @@ class Model:
         self.layers = packed.layers
         self._omega = {kind: rope_inverse_frequencies(config.rope_parameters[kind], d)
                        for kind, d in zip(config.layer_types, config.layer_head_dim)}
+        self._decoder_memo: tuple | None = None  # (key, device inputs) of the last decoder pass
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -85,14 +86,16 @@ class Model:
         return cls(config, tensors, device=dev)
 
     def denoising_backend(self, draws: Any, batch_size: int, denoiser: Any = None, observer: Any = NULL_OBSERVER,
-                          logits_hook: Any = None) -> Any:
+                          logits_hook: Any = None, device_loop: bool = True, sync_every: int = 4) -> Any:
         """The per-step compute the generation loop (``reference.generate.generate``) runs this model with:
         ``GpuBackend`` (device buffer and kernels), or, for a replaced host ``denoiser``, the reference's step
-        inside the device context."""
+        inside the device context. device_loop: run each canvas's steps on the device (``canvas.py``) when
+        the run allows it; sync_every: steps between two reads of its stop flag."""
         if denoiser is not None:
             return ReferenceBackend(denoiser, draws, self.config.vocab_size, batch_size, observer=observer,
                                     context=self.device.context)
-        return GpuBackend(self, draws, batch_size, observer=observer, logits_hook=logits_hook)
+        return GpuBackend(self, draws, batch_size, observer=observer, logits_hook=logits_hook,
+                          device_loop=device_loop, sync_every=sync_every)
 
     def diagnose_non_finite(self, error: Exception, canvas: np.ndarray, cache: Any) -> Exception:
         """The error for NaN/+inf logits the sampling kernel flagged (``error``) in a decoder pass over ``canvas``
@@ -212,7 +215,7 @@ class Model:
         n_rows = rows.shape[0]
         B, C, V = buffer.shape
         H = config.hidden_size
-        positions = cache.length + np.arange(C, dtype=np.int64)
+        pos_dev, tables, cache_rows, ones = self._decoder_inputs(cache.length, rows, C)
         signal = None
         if has_sc:
             u = dev.empty((n_rows, C, H), np.float32)
@@ -228,10 +231,6 @@ class Model:
         h = dev.empty((n_rows * C, H), np.float32)
         dev.launch(gl.embed(canvas_dev.reshape(-1), self.embed_tokens, config.embed_scale, signal, True, h,
                             config.rms_norm_eps))
-        pos_dev = dev.to_device(positions)
-        tables = self._rope_tables(positions)
-        cache_rows = dev.to_device(rows.astype(np.int32))
-        ones = dev.to_device(np.ones((n_rows, C), dtype=np.uint8))
         for l, w in enumerate(self.layers):
             attn = _Attention(cache, l, n_cache=cache.cached_slots(l), rows=cache_rows, new_pos=pos_dev,
                               new_real=ones, causal=False, window=0)
@@ -240,6 +239,21 @@ class Model:
         dev.launch(gl.rms_norm(h, self.final_norm, hf, config.rms_norm_eps))
         for i, b in enumerate(rows):  # tied lm_head straight into the buffer rows
             dev.xp.matmul(hf[i * C:(i + 1) * C], self.embed_tokens.T, out=buffer[int(b)])
+
+    def _decoder_inputs(self, cache_length: int, rows: np.ndarray, C: int) -> tuple:
+        """The device inputs of a decoder pass that depend only on the cache length and the rows decoded:
+        positions (C,) int64, RoPE tables, cache rows (n,) int32 and realness (n, C) uint8. Uploaded once
+        and kept while the next pass asks for the same (the steps of a canvas), so a denoising step copies
+        nothing to the device."""
+        key = (int(cache_length), C, np.asarray(rows, dtype=np.int64).tobytes())
+        if self._decoder_memo is None or self._decoder_memo[0] != key:
+            dev = self.device
+            positions = int(cache_length) + np.arange(C, dtype=np.int64)
+            value = (dev.to_device(positions), self._rope_tables(positions),
+                     dev.to_device(np.asarray(rows).astype(np.int32)),
+                     dev.to_device(np.ones((len(rows), C), dtype=np.uint8)))
+            self._decoder_memo = (key, value)
+        return self._decoder_memo[1]
 
     # ------------------------------------------------------------------ shared block
     def _rope_tables(self, positions: np.ndarray) -> dict:

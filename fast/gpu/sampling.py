@@ -10,6 +10,11 @@ self-conditioning input reads those probabilities (softmax of the processed logi
 decoder overwrites the buffer with new logits. Rows that finished denoising are not recomputed, so their
 probabilities stay as they were (the reference's freezing, SPEC §8.2 h).
 
+Within a canvas, ``run_canvas`` (``canvas.py``) runs the steps with every piece of the loop's state on the
+device and the host reading only a small stop flag every ``sync_every`` steps and the committed draft; the
+per-step ``step`` / ``accept_and_renoise`` below serve the runs it does not cover (a recording observer or
+draw source, a test's logits hook), through the spec's own loop.
+
 Randomness never comes from the device: with ``SeededDraws`` the uniforms of the categorical draw come from
 the same Philox call the reference makes and are copied to the device; any other source is given the
 probabilities on the host. A replaced ``denoiser`` runs on the host, so a run with one uses the reference's
@@ -28,7 +33,9 @@ from diffusiongemma.reference.support.errors import SamplingError
 from diffusiongemma.reference.support.logits import (FLAG_NAN, FLAG_NO_FINITE, FLAG_POSINF, FLAG_RAW_NO_FINITE,
                                                      FLAG_RAW_POSINF, raise_for_logit_flags)
 
+from . import canvas as canvas_loop
 from . import launch as gl
+from .canvas import SYNC_EVERY
 
 __all__ = ["GpuBackend"]
 
@@ -73,8 +80,10 @@ class GpuBackend:
     """
 
     def __init__(self, model: Any, draws: Any, batch_size: int, observer: Observer = NULL_OBSERVER,
-                 logits_hook: Any = None):
+                 logits_hook: Any = None, device_loop: bool = True, sync_every: int = SYNC_EVERY):
         self.model, self.dev = model, model.device
+        self.device_loop, self.sync_every = bool(device_loop), int(sync_every)  # see run_canvas
+        self._outputs: _StepOutputs | None = None
         self.B, self.C, self.V = int(batch_size), int(model.config.canvas_length), int(model.config.vocab_size)
         self.draws, self.observer, self.logits_hook = draws, observer, logits_hook
         self.buffer: Any = None  # the one (C x V) buffer per row, allocated by the first canvas (after check_budget)
@@ -94,6 +103,27 @@ class GpuBackend:
             self.buffer[...] = self.dev.to_device(sc_logits)
             self.model._softmax_in_place(self.buffer, np.arange(self.B), "self_conditioning_logits")
             self.has_sc = True
+
+    def outputs(self, R: int) -> _StepOutputs:
+        """The sampling pass's output arrays for up to R rows, allocated once per run."""
+        if self._outputs is None or self._outputs.argmax.shape[0] < R:
+            with self.dev.context():
+                self._outputs = _StepOutputs(self.dev, R)
+        return self._outputs
+
+    def run_canvas(self, k: int, canvas: np.ndarray, draws: Any, stopper: Any, config: Any, ended: np.ndarray,
+                   forward_passes: np.ndarray, callback: Any, observer: Observer, n_canvases: int,
+                   semantics: Any) -> tuple[np.ndarray, int] | None:
+        """The canvas's steps on the device (``canvas.run_canvas``), or None when this run needs the spec's
+        loop (``canvas.applies``)."""
+        if not canvas_loop.applies(self, draws, observer, semantics, stopper):
+            return None
+        with self.dev.context():
+            try:
+                return canvas_loop.run_canvas(self, k, canvas, draws, stopper, config, ended, forward_passes,
+                                              callback, n_canvases, semantics)
+            except SamplingError as error:  # NaN/+inf logits: name the layer, as the CPU paths do
+                raise self.model.diagnose_non_finite(error, canvas, self.cache) from None
 
     def step(self, canvas: np.ndarray, finished: np.ndarray, temp: np.float32 | None) -> StepOutput:
         """Decoder pass and sampling pass for the rows not finished (SPEC §8.2 b-e)."""

@@ -1,0 +1,81 @@
+"""What a denoising step of the GPU path asks of the device, counted on cuda-sim for the shipped model
+(``fast/gpu/counting.py``): inside a canvas no copy comes back to the host but the stop flag, read once per
+``sync_every`` steps, and the committed draft once per canvas; nothing is copied to the device per step.
+
+The same counts on the spec's per-step loop (``device_loop=False``, what every step did before the device
+loop) show what the counter sees when a step does round trips: several copies back per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from diffusiongemma.fast import gpu
+from diffusiongemma.fast.gpu.counting import AllocationLimitError, CountingDevice, count_generate
+from diffusiongemma.fast.gpu.sim import SimDevice
+from diffusiongemma.reference.generation_config import GenerationConfig
+
+SHIPPED = "diffusiongemma/assets/tiny-kjv"
+PROMPT = np.array([[2, 310, 47, 1022, 9, 88]])
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), SHIPPED)
+    device = CountingDevice(SimDevice(checks=False))
+    return gpu.Model.from_pretrained(path, device=device), GenerationConfig.from_pretrained(path)
+
+
+def run(shipped, steps: int, **options):
+    model, config = shipped
+    model.device.phases.clear()
+    return count_generate(model, PROMPT, generation_config=config, random=1, max_new_tokens=32,
+                          max_denoising_steps=steps, backend_options=options)
+
+
+@pytest.mark.parametrize("k", [4, 3])
+def test_a_canvas_reads_back_only_its_stop_flag_and_its_draft(shipped, k):
+    steps = 8
+    result, canvases = run(shipped, steps, sync_every=k)
+    reference, _ = run(shipped, steps, device_loop=False)
+    np.testing.assert_array_equal(result.sequences, reference.sequences)  # the same tokens as the spec's loop
+    B, C = PROMPT.shape[0], shipped[0].config.canvas_length
+    for canvas in canvases:
+        n, counts = canvas["steps"], canvas["canvas"]
+        flags = math.ceil(n / k)
+        assert counts.d2h == flags + 1, counts.as_dict()  # the stop flags, then the committed draft
+        assert counts.d2h_bytes <= flags * 4 * (B + k) + 8 * B * C, counts.as_dict()
+        assert counts.waits <= flags + 1, counts.as_dict()  # <= 1 synchronisation per k steps (+ the draft)
+        # copies to the device: the canvas's draws and inputs, once per canvas, none per step
+        assert counts.h2d <= 12, counts.as_dict()
+
+
+def test_the_per_step_loop_is_what_the_counter_catches(shipped):
+    """The spec's loop on the GPU backend copies flags, draws, entropies and the next canvas back at every
+    step: the counter sees it (so the test above can fail)."""
+    steps = 3
+    _, canvases = run(shipped, steps, device_loop=False)
+    counts = canvases[0]["canvas"]
+    assert counts.d2h >= 5 * steps and counts.h2d >= 5 * steps, counts.as_dict()
+
+
+def test_h2d_per_canvas_does_not_grow_with_the_steps(shipped):
+    _, short = run(shipped, 2)
+    _, long = run(shipped, 6)
+    assert short[0]["canvas"].h2d == long[0]["canvas"].h2d
+    assert long[0]["canvas"].d2h == short[0]["canvas"].d2h + 1  # one more stop flag (k = 4)
+
+
+def test_an_allocation_over_the_limit_is_refused_with_its_shape():
+    device = CountingDevice(SimDevice(checks=False), limit_bytes=1 << 20)
+    kept = device.empty((512, 256), np.float32)  # 512 KiB
+    with pytest.raises(AllocationLimitError, match=r"\(256, 520\) float32"):
+        device.zeros((256, 520), np.float32)  # another 520 KiB: over 1 MiB with the first
+    del kept
+    device.zeros((256, 520), np.float32)  # the first was released
+    assert device.peak_live_bytes == 520 * 1024
