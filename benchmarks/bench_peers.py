@@ -14,10 +14,11 @@ One random model per configuration (``diffusiongemma.tiny``, seed 0) is written 
 directory (with a byte-level BPE tokenizer, so that llama.cpp can read it) and converted for each peer:
 
 * fast path / reference: ``Model.from_pretrained(DIR)`` of ``diffusiongemma.fast`` / ``diffusiongemma.reference``;
-* transformers: ``DiffusionGemmaForBlockDiffusion.from_pretrained(DIR)`` (float32, eager attention);
+* transformers: ``DiffusionGemmaForBlockDiffusion.from_pretrained(DIR)`` (float32, its default attention:
+  SDPA where the model supports it, as a user gets it; the implementation used is recorded as ``attention``);
 * llama.cpp: a float32 GGUF (``diffusiongemma.gguf_writer``, what ``diffusiongemma convert`` writes), run by
   the ``llama-diffusion-cli`` given with ``--llama-bin`` (entropy-bound sampler, host sampling, prompt KV
-  cache on, flash attention off, no GPU layers);
+  cache on, flash attention off, no GPU layers, ``--no-mmap``);
 * JAX: the transformers tensors mapped onto gemma's ``DiffusionGemma_26B_A4B`` parameter tree
   (``examples/record_jax_golden.py``'s ``jax_params``), sampled by ``gemma.diffusion.Sampler`` in the Python
   given with ``--jax-python`` (a virtual environment with jax and a snapshot of google-deepmind/gemma);
@@ -30,7 +31,10 @@ the ids llama.cpp reports), one canvas, a fixed number of denoising steps with a
 stability/confidence stop, no EOS), so every run makes the same number of decoder passes. A peer's run is
 one subprocess that loads the model, runs one untimed generate (warm-up; for JAX it compiles) and then
 ``--repeats`` timed ones; llama.cpp's CLI is one process per run and reports its own generation time (the
-turn's wall time, model load excluded). Peak resident memory is the subprocess's ``VmHWM`` (load included;
+turn's wall time, model load excluded). To time llama.cpp warm as the Python peers are, its weights are read
+into memory at load (``--no-mmap``: with the default mmap, the timed turn paid the page faults of every
+weight, which the Python peers pay in their untimed load) and llama.cpp's own warm-up decode runs at load
+(its default), and one untimed process runs first (file cache). Peak resident memory is the subprocess's ``VmHWM`` (load included;
 ``ru_maxrss`` would also count the benchmark's own size at the fork).
 
 Threads. Each subprocess gets N threads through every knob its library reads, and is confined to N CPUs
@@ -42,8 +46,17 @@ intra_op_parallelism_threads=1`` at N = 1 (JAX; at N = 2 XLA's pool is sized by 
 
 Order: for each configuration and thread count, ``--rounds`` rounds of every implementation in turn (A B C
 ... A B C ...), so that a change of the machine's load hits all alike; the table gives medians over rounds.
-Printed first and kept in the JSON: CPU model and flags, cores, load average before and after each
-configuration, the commit, and each peer found or not (with how to get it).
+
+Disturbed rounds. While a peer's subprocess runs, the benchmark samples every 20 ms the runnable tasks of
+other processes (``/proc/loadavg``'s runnable count less the subprocess's threads in state R and the
+benchmark's own): a round during which they averaged more than the cores the subprocess leaves free (cores
+minus its threads) plus ``--disturbed-margin`` (default 0.5) competed for its CPUs. It is flagged
+(``disturbed``, ``other_runnable``) and run again, up to ``--reruns`` times (default 2); a round still
+disturbed after that is kept, flagged, and counted in the table's ``disturbed`` column.
+
+Printed first and kept in the JSON: CPU vendor, model and flags, cores, load average before and after each
+configuration, the commit, and each peer found or not (with how to get it); the CPU's vendor and model are
+printed again above the table and in the plot's title, since results differ between Intel and AMD.
 """
 
 from __future__ import annotations
@@ -95,18 +108,28 @@ def spec_for(name: str):
 
 # ------------------------------------------------------------------------------------------ machine facts
 def cpu_facts() -> dict:
-    model, flags = platform.processor() or platform.machine(), []
+    model, flags, vendor = platform.processor() or platform.machine(), [], None
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name") and model == (platform.processor() or platform.machine()):
+                if line.startswith("vendor_id") and vendor is None:
+                    vendor = line.split(":", 1)[1].strip()
+                elif line.startswith("model name") and model == (platform.processor() or platform.machine()):
                     model = line.split(":", 1)[1].strip()
                 elif line.startswith("flags") and not flags:
                     flags = line.split(":", 1)[1].split()
     except OSError:
         pass
     simd = [f for f in flags if f.startswith(("avx", "fma", "f16c", "amx", "sse4"))]
-    return {"model": model, "cores": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "simd_flags": simd}
+    return {"vendor": vendor or "unknown", "model": model, "cores": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)), "simd_flags": simd}
+
+
+def cpu_line(facts: dict) -> str:
+    """``CPU: GenuineIntel, Intel(R) Xeon(R) ...; 2 cores; commit ...``: printed with every table."""
+    cpu = facts.get("cpu", {})
+    return (f"CPU: {cpu.get('vendor', 'unknown')}, {cpu.get('model', '?')}; {cpu.get('cores', '?')} cores; "
+            f"commit {facts.get('commit', '?')}; load {facts.get('load_start')} -> {facts.get('load_end')}")
 
 
 def commit() -> str:
@@ -198,8 +221,8 @@ def _worker_generate(impl: str, model_dir: str, ids: list[int], canvas: int, ste
         from transformers import DiffusionGemmaForBlockDiffusion
 
         torch.set_num_threads(threads)
-        model = DiffusionGemmaForBlockDiffusion.from_pretrained(model_dir, dtype=torch.float32,
-                                                                attn_implementation="eager").eval()
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(model_dir, dtype=torch.float32).eval()
+        ATTENTION["transformers"] = getattr(model.config, "_attn_implementation", None)
         g = model.generation_config
         g.eos_token_id, g.pad_token_id, g.stability_threshold = None, None, None
         prompt = torch.tensor([ids], dtype=torch.long)
@@ -278,6 +301,7 @@ def _worker_generate(impl: str, model_dir: str, ids: list[int], canvas: int, ste
     return time.perf_counter() - start, run
 
 
+ATTENTION: dict = {}  # the attention implementation a peer's model runs (transformers: its default, e.g. "sdpa")
 WEIGHT_BYTES: dict = {}  # the fast path's weights as it holds them (Model.weight_nbytes), reported by the worker
 
 
@@ -332,7 +356,8 @@ def worker(args) -> int:
         times.append(time.perf_counter() - start)
     print(RESULT_TAG + json.dumps({"load_s": load_s, "warmup_s": warm, "seconds": times, "passes": passes,
                                     "vm_hwm_kib": vm_hwm_kib(), "cpus": len(os.sched_getaffinity(0)),
-                                    "weight_bytes": WEIGHT_BYTES.get("fast")}),
+                                    "weight_bytes": WEIGHT_BYTES.get("fast"),
+                                    "attention": ATTENTION.get(args.worker)}),
           flush=True)
     return 0
 
@@ -357,16 +382,49 @@ def thread_env(threads: int, extra: dict | None = None) -> dict:
     return env
 
 
+def _running(tasks: str) -> int:
+    """Threads in state R under a /proc/PID/task folder (0 when it cannot be read)."""
+    try:
+        names = os.listdir(tasks)
+    except OSError:
+        return 0
+    count = 0
+    for name in names:
+        try:
+            with open(os.path.join(tasks, name, "stat"), encoding="ascii", errors="replace") as f:
+                count += f.read().rsplit(")", 1)[1].split()[:1] == ["R"]
+        except (OSError, IndexError):
+            continue
+    return count
+
+
+def other_runnable(pid: int) -> int | None:
+    """Runnable tasks of processes other than ``pid`` and this benchmark, now (None without /proc)."""
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            runnable = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, runnable - _running(f"/proc/{pid}/task") - max(1, _running("/proc/self/task")))
+
+
+LAST_RUN: dict = {}  # what run_process saw of other load during its last subprocess
+
+
 def run_process(command: list[str], env: dict, threads: int, timeout: float) -> tuple[str, int, int]:
     """(stdout + stderr, exit status, peak RSS in KiB) of one subprocess confined to ``threads`` CPUs; the peak
-    is VmHWM polled every 20 ms (a Python worker reports its own at the end, which is used instead)."""
+    is VmHWM polled every 20 ms (a Python worker reports its own at the end, which is used instead). Each poll
+    also samples ``other_runnable``; their mean is left in ``LAST_RUN["other_runnable"]``."""
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 preexec_fn=_affinity(threads), text=True)
         deadline = time.monotonic() + timeout
-        peak = 0
+        peak, others = 0, []
         while True:
             peak = max(peak, vm_hwm_kib(proc.pid))
+            seen = other_runnable(proc.pid)
+            if seen is not None:
+                others.append(seen)
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
@@ -376,6 +434,7 @@ def run_process(command: list[str], env: dict, threads: int, timeout: float) -> 
                 break
             time.sleep(0.02)
         proc.returncode = os.waitstatus_to_exitcode(status)
+        LAST_RUN["other_runnable"] = statistics.fmean(others) if others else None
         out.seek(0)
         return out.read(), proc.returncode, peak
 
@@ -391,6 +450,7 @@ def run_python_peer(impl: str, python: str, model: str, paths: dict, threads: in
         return {"error": "\n".join(text.strip().splitlines()[-6:]) or f"exit status {rc}"}
     result = json.loads(line[len(RESULT_TAG):])
     result["rss_mib"] = max(result.pop("vm_hwm_kib", 0), rss) / 1024
+    result["other_runnable"] = LAST_RUN.get("other_runnable")
     return result
 
 
@@ -402,7 +462,8 @@ def run_llama(binary: str, gguf: str, paths: dict, threads: int, repeats: int, t
                "--diffusion-gpu-sample-reduce", "off", "-ngl", "0",
                "--diffusion-eb-max-steps", str(paths["steps"]), "--diffusion-eb-confidence", "0",
                "--diffusion-eb-stability", str(paths["steps"] + 1)]
-    times, rss, passes, n_input = [], 0, None, None
+    command.append("--no-mmap")  # weights read at load, not faulted in by the timed turn (module docstring)
+    times, rss, passes, n_input, others = [], 0, None, None, []
     for _ in range(repeats + 1):  # the first run: warm-up (file cache), not timed
         with tempfile.TemporaryDirectory() as tmp:
             env = thread_env(threads, {"DIFFUSION_TRACE_FILE": os.path.join(tmp, "trace.jsonl")})
@@ -423,7 +484,10 @@ def run_llama(binary: str, gguf: str, paths: dict, threads: int, repeats: int, t
         passes = int(line.split("(")[1].split(" steps")[0])
         times.append(ms / 1000.0)
         rss = max(rss, rss_kib)
-    result = {"warmup_s": times[0], "seconds": times[1:], "passes": passes, "rss_mib": rss / 1024}
+        if LAST_RUN.get("other_runnable") is not None:
+            others.append(LAST_RUN["other_runnable"])
+    result = {"warmup_s": times[0], "seconds": times[1:], "passes": passes, "rss_mib": rss / 1024,
+              "other_runnable": max(others[1:] or others) if others else None}  # the timed processes
     if n_input is not None and n_input != len(paths["prompt_ids"]):
         result["note"] = f"llama.cpp saw {n_input} prompt ids, the others {len(paths['prompt_ids'])}"
     return result
@@ -480,6 +544,11 @@ def main(argv=None) -> int:
                                                       "same model (the fast path keeps its experts Q8_0)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--reruns", type=int, default=2,
+                   help="run a round again (at most this many times) while other processes competed for its CPUs")
+    p.add_argument("--disturbed-margin", type=float, default=0.5, metavar="TASKS",
+                   help="a round is disturbed when other processes' runnable tasks averaged more than the free "
+                        "cores (cores minus threads) plus this")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -500,6 +569,7 @@ def main(argv=None) -> int:
         with open(args.from_json, encoding="utf-8") as f:
             saved = json.load(f)
         table = summarize(saved["runs"])
+        print(cpu_line(saved["facts"]))
         print(format_table(table))
         if args.plot:
             plot(table, args.plot, saved["facts"])
@@ -528,36 +598,46 @@ def main(argv=None) -> int:
             entries.insert(entries.index("fast") + 1, "fast Q8_0")  # the same Q8_0 file, experts kept Q8_0
         for threads in args.threads:
             before = load()
+            allowance = max(0, len(os.sched_getaffinity(0)) - threads) + args.disturbed_margin
             for r in range(args.rounds):
                 for impl in entries:
-                    if impl.startswith("llama.cpp"):
-                        gguf = paths["gguf_q8_0"] if impl.endswith("Q8_0") else paths["gguf_f32"]
-                        out = run_llama(args.llama_bin, gguf, paths, threads, args.repeats, args.timeout)
-                    elif impl == "jax":
-                        out = run_python_peer(impl, args.jax_python, paths["hf"], paths, threads, args.repeats,
-                                              {"PYTHONPATH": args.gemma_src or ""}, args.timeout)
-                    elif impl == "mlx-vlm":
-                        out = run_python_peer(impl, sys.executable, paths["mlx"], paths, threads, args.repeats,
-                                              {"PYTHONPATH": os.pathsep.join(filter(None, [args.mlx_path, ROOT]))},
-                                              args.timeout)
-                    elif impl == "fast Q8_0":
-                        out = run_python_peer(impl, sys.executable, paths["gguf_q8_0"], paths, threads,
-                                              args.repeats, None, args.timeout)
-                    else:
-                        out = run_python_peer(impl, sys.executable, paths["hf"], paths, threads, args.repeats,
-                                              None, args.timeout)
-                    out.update(config=name, threads=threads, round=r, impl=impl, load=load(),
-                               canvas=paths["canvas"], steps=paths["steps"], files=files)
-                    results.append(out)
-                    shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()
-                             if k not in ("files",)}
-                    shown["seconds"] = [round(s, 3) for s in out.get("seconds", [])]
-                    print(json.dumps(shown), flush=True)
+                    for attempt in range(args.reruns + 1):
+                        if impl.startswith("llama.cpp"):
+                            gguf = paths["gguf_q8_0"] if impl.endswith("Q8_0") else paths["gguf_f32"]
+                            out = run_llama(args.llama_bin, gguf, paths, threads, args.repeats, args.timeout)
+                        elif impl == "jax":
+                            out = run_python_peer(impl, args.jax_python, paths["hf"], paths, threads, args.repeats,
+                                                  {"PYTHONPATH": args.gemma_src or ""}, args.timeout)
+                        elif impl == "mlx-vlm":
+                            out = run_python_peer(impl, sys.executable, paths["mlx"], paths, threads, args.repeats,
+                                                  {"PYTHONPATH": os.pathsep.join(filter(None, [args.mlx_path, ROOT]))},
+                                                  args.timeout)
+                        elif impl == "fast Q8_0":
+                            out = run_python_peer(impl, sys.executable, paths["gguf_q8_0"], paths, threads,
+                                                  args.repeats, None, args.timeout)
+                        else:
+                            out = run_python_peer(impl, sys.executable, paths["hf"], paths, threads, args.repeats,
+                                                  None, args.timeout)
+                        others = out.get("other_runnable")
+                        out.update(config=name, threads=threads, round=r, impl=impl, load=load(),
+                                   canvas=paths["canvas"], steps=paths["steps"], files=files, attempt=attempt,
+                                   disturbed=others is not None and others > allowance)
+                        results.append(out)
+                        shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()
+                                 if k not in ("files",)}
+                        shown["seconds"] = [round(s, 3) for s in out.get("seconds", [])]
+                        print(json.dumps(shown), flush=True)
+                        if "error" in out or not out["disturbed"]:
+                            break
+                        print(f"[{name}] {impl}, threads {threads}, round {r}: disturbed (other runnable tasks "
+                              f"{others:.2f} > {allowance:.2f})" + (", again" if attempt < args.reruns else ", kept"),
+                              flush=True)
             print(f"[{name}] threads {threads}: load {before} -> {load()}", flush=True)
     facts["load_end"] = load()
     if args.stages:
         stage_profiles(args, workdir, facts)
     table = summarize(results)
+    print(cpu_line(facts), flush=True)
     print(format_table(table), flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -587,14 +667,19 @@ def stage_profiles(args, workdir: str, facts: dict) -> None:
 
 def summarize(results: list[dict]) -> list[dict]:
     rows = {}
+    kept = {}  # (config, threads, impl, round) -> the last attempt of that round
     for r in results:
+        kept[(r["config"], r["threads"], r["impl"], r.get("round"))] = r
+    for r in kept.values():
         key = (r["config"], r["threads"], r["impl"])
         row = rows.setdefault(key, {"config": r["config"], "threads": r["threads"], "impl": r["impl"], "per_round": [],
-                                    "rss_mib": 0.0, "passes": r.get("passes"), "canvas": r["canvas"], "errors": []})
+                                    "rss_mib": 0.0, "passes": r.get("passes"), "canvas": r["canvas"], "errors": [],
+                                    "disturbed": 0, "attention": r.get("attention")})
         if "error" in r:
             row["errors"].append(r["error"])
             continue
         row["per_round"].append(statistics.median(r["seconds"]))
+        row["disturbed"] += bool(r.get("disturbed"))
         row["rss_mib"] = max(row["rss_mib"], r["rss_mib"])
         row["passes"] = r["passes"]
         row["warmup_s"] = r.get("warmup_s")
@@ -619,18 +704,19 @@ def summarize(results: list[dict]) -> list[dict]:
 
 def format_table(table: list[dict]) -> str:
     lines = ["| config | threads | implementation | s / generate | decoder passes/s | tokens/s | peak RSS MiB | "
-             "weights held MiB | rounds |", "|---|---|---|---|---|---|---|---|---|"]
+             "weights held MiB | rounds | disturbed |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in table:
         if "seconds" not in row:
             lines.append(f"| {row['config']} | {row['threads']} | {row['impl']} | failed: "
-                         f"{row['errors'][0].splitlines()[0][:80] if row['errors'] else '?'} | | | | | |")
+                         f"{row['errors'][0].splitlines()[0][:80] if row['errors'] else '?'} | | | | | | |")
             continue
-        extra = ""
+        extra = f" [{row['attention']}]" if row.get("attention") else ""
         if "ratio_to_fastest_peer" in row:
             extra = f" ({row['ratio_to_fastest_peer']:.2f}x {row['fastest_peer']})"
         lines.append(f"| {row['config']} | {row['threads']} | {row['impl']}{extra} | {row['seconds']:.3f} | "
                      f"{row['passes_per_s']:.2f} | {row['tokens_per_s']:.1f} | {row['rss_mib']:.0f} | "
-                     f"{format(row['weight_mib'], '.0f') if 'weight_mib' in row else ''} | {len(row['per_round'])} |")
+                     f"{format(row['weight_mib'], '.0f') if 'weight_mib' in row else ''} | {len(row['per_round'])} | "
+                     f"{row.get('disturbed', 0) or ''} |")
     return "\n".join(lines)
 
 
@@ -654,7 +740,7 @@ def plot(table: list[dict], path: str, facts: dict) -> None:
         ax.set_title(f"{config}, {threads} thread{'s' if threads > 1 else ''}", fontsize=9)
         ax.tick_params(axis="y", labelsize=7)
     axes[0][0].set_ylabel("decoder passes / s (higher is better)", fontsize=8)
-    fig.suptitle(f"{facts['cpu']['model']}, commit {facts['commit']}", fontsize=8)
+    fig.suptitle(f"{facts['cpu'].get('vendor', '')} {facts['cpu']['model']}, commit {facts['commit']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
