@@ -121,6 +121,23 @@ def test_nvrtc_fallback_compiles_the_kernels():
         cb.compile_source("extern \"C\" __global__ void k(float* x) { x[0] = ; }", "sm_80", compiler="nvrtc")
 
 
+def test_nvrtc_with_the_options_emits_no_contracted_multiply_add():
+    """The compile mode's check that needs no nvcc (tests/test_gpu_limits.py has the nvcc one): a*b + c becomes
+    mul + add under the project's NVRTC options, fma without --fmad=false."""
+    if cb.load_nvrtc() is None:
+        if _test_extra_installs_nvrtc() and os.environ.get(cb.SKIP_ENV) != "1":
+            pytest.fail(f"no libnvrtc loads, though the test extra installs {NVRTC_WHEEL} here")
+        print("skipping: no libnvrtc here")
+        pytest.skip("no libnvrtc here")
+    src = 'extern "C" __global__ void k(const float* a, float* o) { o[0] = a[0] * a[1] + a[2]; }\n'
+    project = cb.nvrtc_ptx(src, "sm_80")
+    default = cb.nvrtc_ptx(src, "sm_80", options=("--std=c++14",))
+    assert re.search(r"\bfma\.rn\.f32", default), default
+    assert not re.search(r"\bfma\.rn\.f32", project) and re.search(r"\bmul\.rn\.f32", project), project
+    with pytest.raises(cb.CompileError):
+        cb.nvrtc_ptx('extern "C" __global__ void k(float* x) { x[0] = ; }')
+
+
 def _without_a_toolkit() -> dict:
     """The environment of a machine without the CUDA toolkit: no nvcc on PATH (every folder holding one is
     dropped), no CUDA_HOME / CUDA_PATH, and DIFFUSIONGEMMA_NVCC=none for the toolkit's fixed place."""

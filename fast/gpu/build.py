@@ -260,6 +260,43 @@ def _nvrtc_run(lib: ctypes.CDLL, text: str, name: str, options: list[str]) -> tu
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def nvrtc_ptx(text: str, arch: str = "sm_80", options: tuple = NVRTC_OPTIONS, lib: ctypes.CDLL | None = None,
+              name: str = "<text>") -> str:
+    """The PTX NVRTC makes of ``text`` for the virtual architecture of ``arch`` (``sm_80`` -> ``compute_80``)
+    under ``options`` (default: the run's, ``NVRTC_OPTIONS``). Lets a machine without nvcc read the
+    instructions a compile mode produces (tests/test_gpu_compile.py: no fused multiply-add under
+    ``--fmad=false``). Raises ``CompilerNotFound`` / ``CompileError`` as ``compile_with_nvrtc``."""
+    _check_arch(arch)
+    lib = lib or load_nvrtc()
+    if lib is None:
+        raise CompilerNotFound("no NVRTC library was found (pip install nvidia-cuda-nvrtc-cu12, or set "
+                               "DIFFUSIONGEMMA_NVRTC to the path of libnvrtc.so)")
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    prog = ctypes.c_void_p()
+    status = lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), os.path.basename(name).encode() or b"k.cu",
+                                    0, None, None)
+    if status != 0:
+        raise CompileError(f"NVRTC could not create a program for {name} (status {status})")
+    try:
+        flags = [f"--gpu-architecture=compute_{arch[3:].rstrip('a')}", *options]
+        opts = (ctypes.c_char_p * len(flags))(*[o.encode() for o in flags])
+        status = lib.nvrtcCompileProgram(prog, len(flags), opts)
+        if status != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(max(size.value, 1))
+            lib.nvrtcGetProgramLog(prog, buf)
+            reason = lib.nvrtcGetErrorString(status).decode(errors="replace")
+            raise CompileError(f"NVRTC failed on {name} for {arch} ({reason})", buf.value.decode(errors="replace"))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(max(size.value, 1))
+        lib.nvrtcGetPTX(prog, buf)
+        return buf.value.decode(errors="replace")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
 def compile_source(text: str, arch: str, compiler: str | None = None, name: str = "<text>") -> CompileResult:
     """Compile with ``compiler`` ("nvcc" / "nvrtc"), or the first available one. Raises ``CompilerNotFound``
     when none is available and ``CompileError`` when the source does not compile."""
