@@ -87,8 +87,9 @@ def register(commands, formatter) -> None:
                           "schedule, and rejected positions are still renoised from the seed. Reference "
                           "backend only")
     gen.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                     help="BLAS and OpenMP threads (default: the cores free at start, unless OMP_NUM_THREADS or "
-                          "another thread variable is set)")
+                     help="BLAS and OpenMP threads, 1 to the cores this process may use (default: the cores free "
+                          "at start, unless OMP_NUM_THREADS or another thread variable is set; the reference's BLAS "
+                          "never takes more than the cores free at the start of the run)")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="do not stop at EOS: the run's eos_token_id is set to none, so only the token budget "
                           "or --max-length ends it")
