@@ -462,6 +462,9 @@ def write_model_gguf(model: Any, text_source: str | os.PathLike, dst: str | os.P
         except OSError as exc:
             raise _export_write_error(dst, tmp, exc) from None
         _commit(tmp, dst, force)
+        from diffusiongemma.weights_converter.writer import _fsync_dir
+
+        _fsync_dir(os.path.dirname(dst))  # the new name is on disk too
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
