@@ -273,7 +273,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     (rewritten) canvas is what gets encoded next.
 
     Bounds (``check_budget``, before anything is encoded): the run must fit in ``max_position_embeddings``
-    (cache + prompt + every canvas it may make) and its KV cache and logits in the available memory.
+    (cache + prompt + every canvas it may make) and its KV cache, logits and activations in the available memory.
 
     Returns a ``GenerationResult``. Raises ``InputError`` for bad arrays, a run that cannot fit (with the
     numbers), or a model/denoiser returning the wrong shape or dtype, ``ConfigError`` for bad settings (also EOS/pad ids outside [0, V)),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import numpy as np
 import pytest
@@ -42,7 +43,8 @@ def test_a_huge_canvas_is_refused_with_the_byte_estimate_on_every_backend():
             run(model, np.full((1, 4), 5), max_new_tokens=32)
         messages.append(_before_but(str(error.value)))
     assert messages[0] == messages[1]
-    assert "this run needs about 2,199,023,2" in messages[0] and "canvas(es) of 1073741824" in messages[0]
+    assert re.search(r"this run needs about [\d,]{17,} bytes \(\d+\.\d\d GiB: KV cache, logits and activations for "
+                     r"a 4-token prompt and 1 canvas\(es\) of 1073741824, 1 row\(s\)\)", messages[0]), messages[0]
 
 
 def test_a_huge_sliding_window_costs_nothing_up_front():
@@ -96,7 +98,7 @@ def test_the_gpu_path_refuses_a_huge_canvas_before_allocating():
 
     config = dataclasses.replace(CONFIG, canvas_length=2 ** 30, max_position_embeddings=LIMIT)
     model = gpu.Model(config, TENSORS, device=SimDevice(checks=False))
-    with pytest.raises(InputError, match=r"this run needs about 2,199,023,2[\d,]+ bytes .*canvas\(es\) of 1073741824"):
+    with pytest.raises(InputError, match=r"this run needs about [\d,]{17,} bytes .*canvas\(es\) of 1073741824"):
         gpu.generate(model, np.full((1, 4), 5), max_new_tokens=32)
 
 
@@ -394,3 +396,19 @@ def test_a_long_prompt_with_a_small_window_keeps_the_score_buffer_bounded():
     hidden = model.encode(ids, cache)
     assert 0 < model.workspace._buffers[("attn_scores", np.float32)].size <= SCORE_BUDGET
     np.testing.assert_allclose(hidden, ref.encode(ids, ref_cache), rtol=1e-3, atol=1e-3)
+
+
+def test_the_budget_counts_the_activations_of_the_prompts_pass(monkeypatch):
+    """KV cache and logits alone left out the pass over the prompt: 64 rows of 512 tokens need ~265 MB of
+    activations on this tiny model while their cache and logits need ~20 MB."""
+    from diffusiongemma.reference.support import checks
+
+    ids = np.full((64, 512), 5)
+    without = checks.run_memory_bytes(CONFIG, 64, 0, 512 + 16, tokens=0) - 4 * 64 * 16 * checks.activation_floats_per_token(CONFIG)
+    assert without < 32 * 2 ** 20
+    monkeypatch.setattr(checks, "available_memory", lambda: 64 * 2 ** 20)
+    monkeypatch.setattr("diffusiongemma.fast.cache.available_memory", lambda: 64 * 2 ** 20, raising=False)
+    for model, run in ((fast.Model(CONFIG, TENSORS), fast.generate), (ReferenceModel(CONFIG, TENSORS), reference_generate)):
+        with pytest.raises(InputError, match=r"this run needs about [\d,]+ bytes \(0\.2\d GiB: KV cache, logits and "
+                                             r"activations for a 512-token prompt and 1 canvas\(es\) of 16, 64 row"):
+            run(model, ids, max_new_tokens=16, max_denoising_steps=1)

@@ -227,10 +227,25 @@ def available_memory() -> int | None:
         return None
 
 
-def run_memory_bytes(model_config: Any, batch_size: int, cached: int, total: int) -> int:
+def activation_floats_per_token(model_config: Any) -> int:
+    """float32 values a forward pass keeps per token while a block runs (an estimate that bounds the fast
+    paths' reused buffers and the reference's temporaries): about 10 hidden-size rows (residual, norms,
+    attention output, dense and expert branches, self-conditioning), the query/key/value projections, the
+    dense MLP's gate, up and activation, and per routed expert its input, gate/up, activation and output."""
+    H, I = int(model_config.hidden_size), int(getattr(model_config, "intermediate_size", 0))
+    Ie, K = int(getattr(model_config, "moe_intermediate_size", 0)), int(getattr(model_config, "top_k_experts", 0))
+    E, n_h = int(getattr(model_config, "num_experts", 0)), int(getattr(model_config, "num_attention_heads", 1))
+    d = max(int(v) for v in model_config.layer_head_dim)
+    g = max(int(v) for v in model_config.layer_num_key_value_heads)
+    return 10 * H + 3 * n_h * d + 4 * g * d + 3 * I + K * (2 * H + 3 * Ie) + E + 3 * K
+
+
+def run_memory_bytes(model_config: Any, batch_size: int, cached: int, total: int, tokens: int = 0) -> int:
     """Bytes a run adds: float32 keys and values for positions ``cached .. total - 1`` of every layer (a
-    sliding layer keeps at most ``sliding_window - 1``) plus four (B, C, V) float32 logit-sized buffers
-    (logits, processed logits, probabilities, self-conditioning input) of one denoising step."""
+    sliding layer keeps at most ``sliding_window - 1``), four (B, C, V) float32 logit-sized buffers
+    (logits, processed logits, probabilities, self-conditioning input) of one denoising step, and the
+    activations of its largest pass, ``tokens`` per row (``activation_floats_per_token``; the prompt's
+    encode, or one canvas)."""
     C, V = int(model_config.canvas_length), int(model_config.vocab_size)
     per_position = 0  # bytes per (row, position) over the full layers
     sliding = 0  # bytes per (row, retained position) over the sliding layers
@@ -241,7 +256,8 @@ def run_memory_bytes(model_config: Any, batch_size: int, cached: int, total: int
             per_position += 2 * 4 * g * d
     window = int(model_config.sliding_window) - 1
     grown = per_position * (total - cached) + sliding * max(0, min(total, window) - min(cached, window))
-    return batch_size * grown + 4 * 4 * batch_size * C * V
+    activations = 4 * batch_size * max(int(tokens), C) * activation_floats_per_token(model_config)
+    return batch_size * grown + 4 * 4 * batch_size * C * V + activations
 
 
 def check_budget(model_config: Any, ids: np.ndarray, mask: np.ndarray | None, cache: Any, n_canvases: int) -> None:
@@ -250,7 +266,8 @@ def check_budget(model_config: Any, ids: np.ndarray, mask: np.ndarray | None, ca
     * Positions: the cache (L), the prompt (P) and up to ``n_canvases`` canvases of C occupy positions
       0 .. L + P + n_canvases * C - 1, which must stay below ``max_position_embeddings``.
     * An ``attention_mask`` row of only zeros with an empty cache: that row has no real token.
-    * Memory: the keys/values the run adds and one step's logit buffers (``run_memory_bytes``) must fit
+    * Memory: the keys/values the run adds, one step's logit buffers and the activations of its largest
+      pass (``run_memory_bytes``) must fit
       in the memory free where the cache lives: ``cache.device.available_memory()`` for a fast path's
       cache (host or GPU), ``available_memory()`` for any other cache of NumPy arrays.
     Checks what ``model_config`` declares (a stand-in config without these fields skips them).
@@ -275,11 +292,12 @@ def check_budget(model_config: Any, ids: np.ndarray, mask: np.ndarray | None, ca
     if probe is None and isinstance(keys, list) and bool(keys) and isinstance(keys[0], np.ndarray):
         probe = available_memory  # a cache held in host memory
     if probe is not None and hasattr(model_config, "layer_head_dim"):
-        needed = run_memory_bytes(model_config, B, L, L + P + (n_canvases - 1) * C)
+        needed = run_memory_bytes(model_config, B, L, L + P + (n_canvases - 1) * C, tokens=P)
         free = probe()
         if free is not None and needed > free:
-            raise InputError(f"this run needs about {needed:,} bytes ({needed / 2 ** 30:.2f} GiB: KV cache and "
-                             f"logits for {n_canvases} canvas(es) of {C}, {B} row(s)) but {free:,} bytes "
+            raise InputError(f"this run needs about {needed:,} bytes ({needed / 2 ** 30:.2f} GiB: KV cache, logits "
+                             f"and activations for a {P}-token prompt and {n_canvases} canvas(es) of {C}, {B} "
+                             f"row(s)) but {free:,} bytes "
                              f"({free / 2 ** 30:.2f} GiB) of memory are available; lower max_new_tokens or the "
                              "batch size")
 
