@@ -219,6 +219,23 @@ def test_overflow_with_float32_experts_on_the_cpu_fast_path_names_the_layer():
     assert messages[0] == messages[1] and "the output of encoder layer 2 is not finite" in messages[0]
 
 
+def test_diagnosis_judges_every_weight_layout():
+    """The shared diagnosis names a NaN in a bfloat16 weight or in a Q8_0 tensor's scales and passes over int8
+    values (finite by construction), instead of failing on them."""
+    import ml_dtypes
+
+    from diffusiongemma.reference.support.diagnosis import non_finite_error
+    from diffusiongemma.reference.support.quantized import Q8_0Tensor
+
+    inf = np.array([[np.inf]], np.float32)
+    q8 = Q8_0Tensor.from_blocks(np.zeros((1, 34), np.uint8), (1, 32))
+    assert "so float32 overflowed" in str(non_finite_error("denoise", "x", inf, {"q": q8, "v": q8.values}))
+    q8.scales[...] = np.nan
+    assert "weight 'q' holds NaN" in str(non_finite_error("denoise", "x", inf, {"q": q8}))
+    bf16 = np.array([1.0, np.nan], ml_dtypes.bfloat16)
+    assert "weight 'b' holds NaN" in str(non_finite_error("denoise", "x", inf, {"b": bf16}))
+
+
 # ================================================================================================ config files
 @pytest.mark.parametrize("where, field, value, pattern", [
     ("text", "sliding_window", 2**63, r"sliding_window must be at most max_position_embeddings=131072, got 9223"),

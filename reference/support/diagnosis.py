@@ -31,7 +31,7 @@ def non_finite_error(stage: str, where: str, array: np.ndarray, weights: Mapping
     that layer), then ``weights`` (project tensor name -> array; weights are checked when a model is built,
     so a non-finite one was changed afterwards). When all are finite, float32 overflowed there. Shared by
     every backend, so that the same fault gives the same message. A ``Q8_0Tensor`` is judged by its
-    scales; integer arrays (quantized values) are finite by construction and skipped.
+    scales; integer arrays (quantized values) are finite by construction and skipped, as are object arrays.
     """
     cause = None
     for kind, items in (("input", inputs), ("weight", weights)):
@@ -39,9 +39,9 @@ def non_finite_error(stage: str, where: str, array: np.ndarray, weights: Mapping
             if isinstance(value, Q8_0Tensor):  # int8 values are finite; the scales may not be
                 value = value.scales
             value = np.asarray(value)
-            if value.dtype.kind not in "fc":  # integers (quantized values) are finite; anything else is no weight
+            if value.dtype.kind in "iubO":  # integers (quantized values) are finite; an object array is no weight
                 continue
-            if value.size and not np.isfinite(value).all():
+            if value.size and not np.isfinite(value).all():  # float32/16, bfloat16 (ml_dtypes: kind "V")
                 bad = value.reshape(-1)[~np.isfinite(value.reshape(-1))][0]
                 cause = f"{kind} {name!r} holds {'NaN' if bad != bad else float(bad)}"
                 break
