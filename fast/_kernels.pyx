@@ -28,7 +28,7 @@ and no reduction crosses rows).
 
 cimport cython
 from cython.parallel import prange, threadid
-from libc.stdint cimport int8_t, int64_t, uint8_t
+from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t
 from libc.math cimport INFINITY, log
 
 import numpy as np
@@ -656,8 +656,67 @@ cdef extern from "panel_gemm.h":
     int dg_panel_set_isa(int isa) noexcept nogil
     dg_panel_fn dg_panel_kernel() noexcept nogil
     void dg_panel_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *panels,
-                         const int8_t *qpanels, const float *scales, int64_t N, int64_t K, float *c,
-                         int64_t ldc) noexcept nogil
+                         const int8_t *qpanels, const float *scales, const uint16_t *bpanels, int64_t N,
+                         int64_t K, float *c, int64_t ldc) noexcept nogil
+    void dg_widen_bf16(const uint16_t *src, int64_t n, float *dst) noexcept nogil
+    void dg_widen_bf16_rows(const uint16_t *src, int64_t lds, int64_t rows, int64_t cols, float *dst) noexcept nogil
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def gemm_bf16(const float[:, ::1] a, w, float[:, ::1] out):
+    """``out = a @ w.T`` for a bfloat16 matrix w (N, K) (numpy's ``ml_dtypes.bfloat16``, last axis
+    contiguous), a: (M, K) and out: (M, N) float32.
+
+    The tiles of ``gemm``, each one single-threaded BLAS call as there, on the tile's rows of w widened to
+    float32 (exact) into a buffer of its thread (GEMM_TILE_COLS x K values): the weights stay bfloat16 in
+    memory, and the result is ``gemm`` on the widened matrix, bit for bit (the same calls on the same
+    values). Raises ValueError for mismatched shapes or a w that is not bfloat16, RuntimeError when
+    ``has_gemm()`` is False.
+    """
+    if not has_gemm():
+        raise RuntimeError("gemm_bf16: no BLAS installed (fast.blas.install) or no OpenMP")
+    bits = bf16_bits(w)
+    if bits is None:
+        raise ValueError(f"gemm_bf16: w must be bfloat16, got {getattr(w, 'dtype', type(w).__name__)}")
+    cdef const uint16_t[:, ::1] b = bits
+    cdef Py_ssize_t M = a.shape[0], K = a.shape[1], N = b.shape[0]
+    if b.shape[1] != K or out.shape[0] != M or out.shape[1] != N:
+        raise ValueError(f"gemm_bf16: shapes {(a.shape[0], a.shape[1])} @ {(b.shape[0], b.shape[1])}.T"
+                         f" -> {(out.shape[0], out.shape[1])} do not match")
+    if M == 0 or N == 0:
+        return
+    cdef Py_ssize_t i, j
+    if K == 0:
+        for i in range(M):
+            for j in range(N):
+                out[i, j] = 0.0
+        return
+    cdef Py_ssize_t tm = M if M <= 2 * GEMM_TILE_ROWS else GEMM_TILE_ROWS
+    cdef Py_ssize_t tn = N if N <= GEMM_TILE_COLS else GEMM_TILE_COLS
+    cdef Py_ssize_t row_tiles = (M + tm - 1) // tm, col_tiles = (N + tn - 1) // tn
+    cdef Py_ssize_t tiles = row_tiles * col_tiles, t, i0, j0, mi, nj
+    cdef int64_t lda = a.strides[0] // sizeof(float), ldc = out.strides[0] // sizeof(float)
+    cdef int64_t ldb = b.strides[0] // sizeof(uint16_t)
+    cdef const float *A = &a[0, 0]
+    cdef const uint16_t *B = &b[0, 0]
+    cdef float *C = &out[0, 0]
+    cdef int nt = _threads(tiles, <double>tm * tn * K / 16.0)
+    cdef float[:, ::1] buffers = np.empty((nt, tn * K), dtype=np.float32)  # one widened tile per thread
+    cdef float *wide
+    cdef int previous
+    with nogil:
+        previous = _blas_serial_begin()
+        for t in prange(tiles, schedule="dynamic", num_threads=nt):
+            i0 = (t // col_tiles) * tm
+            j0 = (t % col_tiles) * tn
+            mi = M - i0 if M - i0 < tm else tm
+            nj = N - j0 if N - j0 < tn else tn
+            wide = &buffers[threadid(), 0]
+            dg_widen_bf16_rows(B + j0 * ldb, ldb, nj, K, wide)
+            _sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS, mi, nj, K, 1.0, A + i0 * lda, lda, wide, K, 0.0,
+                   C + i0 * ldc + j0, ldc)
+        _blas_serial_end(previous)
+
 
 #: Output columns of one weight panel (``fast.experts``: weights packed as (..., ceil(N/PANEL), K, PANEL)).
 PANEL = DG_NR
@@ -687,30 +746,51 @@ cdef inline int _check_panels(str what, Py_ssize_t stacked_n, Py_ssize_t stacked
     return 0
 
 
+def bf16_bits(array):
+    """The bit patterns (uint16 view) of a bfloat16 array (ml_dtypes), or None for any other dtype. The
+    kernels take bfloat16 weights as these bits (a buffer of numpy's bfloat16 cannot be typed in Cython)."""
+    if array is not None and getattr(array.dtype, "name", "") == "bfloat16":
+        return array.view(np.uint16)
+    return None
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def panel_matmul(const float[:, ::1] x, panels, Py_ssize_t N, float[:, ::1] out, scales=None):
     """``out = x @ W.T`` for W (N, K) packed as panels (``fast.experts.pack_panels``), on the calling thread.
 
-    x: (m, K) float32; out: (m, N). ``panels``: float32 (ceil(N/32), K, 32), or int8 Q8_0 values of that
-    shape with ``scales`` float32 (ceil(N/32), K/32, 32). Each output is the fused multiply-add chain over
-    k in order (``fast/panel_gemm.h``): the same bits on every instruction set, and for Q8_0 the same bits as
-    the float32 panels of the dequantized matrix. Raises ValueError for mismatched shapes.
+    x: (m, K) float32; out: (m, N). ``panels``: float32 (ceil(N/32), K, 32), bfloat16 of that shape, or int8
+    Q8_0 values of that shape with ``scales`` float32 (ceil(N/32), K/32, 32). Each output is the fused
+    multiply-add chain over k in order (``fast/panel_gemm.h``): the same bits on every instruction set, and
+    for Q8_0 and bfloat16 the same bits as the float32 panels of the widened matrix. Raises ValueError for
+    mismatched shapes.
     """
     cdef Py_ssize_t m = x.shape[0], K = x.shape[1]
     if out.shape[0] != m or out.shape[1] != N:
         raise ValueError(f"panel_matmul: out is ({out.shape[0]}, {out.shape[1]}), expected ({m}, {N})")
     cdef const float[:, :, ::1] pf
     cdef const int8_t[:, :, ::1] pq
+    cdef const uint16_t[:, :, ::1] pb
     cdef const float[:, :, ::1] sq
     cdef dg_panel_fn tile = dg_panel_kernel()
+    bits = bf16_bits(panels)
+    if bits is not None:
+        if scales is not None:
+            raise ValueError("panel_matmul: bfloat16 panels take no scales")
+        pb = bits
+        _check_panels("panel_matmul", N, K, pb.shape[0], pb.shape[1], pb.shape[2], N)
+        if m and N:
+            with nogil:
+                dg_panel_matmul(tile, &x[0, 0] if K else <const float *>NULL, K, m, NULL, NULL, NULL,
+                                &pb[0, 0, 0] if K else <const uint16_t *>NULL, N, K, &out[0, 0], N)
+        return
     if scales is None:
         pf = panels
         _check_panels("panel_matmul", N, K, pf.shape[0], pf.shape[1], pf.shape[2], N)
         if m and N:
             with nogil:
                 dg_panel_matmul(tile, &x[0, 0] if K else <const float *>NULL, K, m,
-                                &pf[0, 0, 0] if K else <const float *>NULL, NULL, NULL, N, K, &out[0, 0], N)
+                                &pf[0, 0, 0] if K else <const float *>NULL, NULL, NULL, NULL, N, K, &out[0, 0], N)
         return
     pq, sq = panels, scales
     _check_panels("panel_matmul", N, K, pq.shape[0], pq.shape[1], pq.shape[2], N)
@@ -721,7 +801,7 @@ def panel_matmul(const float[:, ::1] x, panels, Py_ssize_t N, float[:, ::1] out,
         with nogil:
             dg_panel_matmul(tile, &x[0, 0] if K else <const float *>NULL, K, m, NULL,
                             &pq[0, 0, 0] if K else <const int8_t *>NULL,
-                            &sq[0, 0, 0] if K else <const float *>NULL, N, K, &out[0, 0], N)
+                            &sq[0, 0, 0] if K else <const float *>NULL, NULL, N, K, &out[0, 0], N)
 
 
 @cython.boundscheck(False)
@@ -732,8 +812,8 @@ def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels
 
     x: (R, H) rows grouped by expert (expert e owns [offsets[e], offsets[e+1])). Weights as panels
     (``fast.experts``): gate_up_panels (E, ceil(2I/32), H, 32) of [G_e; U_e] (gate rows first),
-    down_panels (E, ceil(H/32), I, 32); float32, or int8 Q8_0 values with the two ``*_scales`` (E, P, K/32,
-    32) float32. Buffers gate_up (R, 2I), act (R, I); y (R, H) gets ``(gelu_tanh(x G^T) * (x U^T)) D^T``.
+    down_panels (E, ceil(H/32), I, 32); float32, bfloat16 (both), or int8 Q8_0 values with the two
+    ``*_scales`` (E, P, K/32, 32) float32. Buffers gate_up (R, 2I), act (R, I); y (R, H) gets ``(gelu_tanh(x G^T) * (x U^T)) D^T``.
     No BLAS involved: one task per expert (dynamic schedule), each output computed by one thread in a fixed
     order, so the result does not depend on the thread count. Raises ValueError for inconsistent shapes
     or offsets that are not ascending within [0, R].
@@ -742,6 +822,13 @@ def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels
     cdef bint q8 = gate_up_scales is not None
     if q8 != (down_scales is not None):
         raise ValueError("expert_ffn: give both scales (Q8_0) or neither (float32)")
+    gate_bits, down_bits = bf16_bits(gate_up_panels), bf16_bits(down_panels)
+    cdef bint bf = gate_bits is not None
+    if bf != (down_bits is not None) or (bf and q8):
+        raise ValueError("expert_ffn: gate_up and down panels must both be bfloat16 (without scales) or neither")
+    cdef const uint16_t[:, :, :, ::1] gb, db
+    cdef const uint16_t *gbp = NULL
+    cdef const uint16_t *dbp = NULL
     cdef const float[:, :, :, ::1] gf, df, gs, ds
     cdef const int8_t[:, :, :, ::1] gq, dq
     cdef const float *gfp = NULL
@@ -758,6 +845,8 @@ def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels
             raise ValueError(f"expert_ffn: Q8_0 needs H ({H}) and I ({I}) multiples of 32 and scales "
                              f"({shape_g[0]}, {shape_g[1]}, {H // 32}, {DG_NR}) / ({shape_d[0]}, {shape_d[1]}, "
                              f"{I // 32}, {DG_NR}); got {tuple(gate_up_scales.shape)} / {tuple(down_scales.shape)}")
+    elif bf:
+        gb, db = gate_bits, down_bits
     else:
         gf, df = gate_up_panels, down_panels
     E = shape_g[0]
@@ -778,6 +867,8 @@ def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels
         return
     if q8:
         gqp, dqp, gsp, dsp = &gq[0, 0, 0, 0], &dq[0, 0, 0, 0], &gs[0, 0, 0, 0], &ds[0, 0, 0, 0]
+    elif bf:
+        gbp, dbp = &gb[0, 0, 0, 0], &db[0, 0, 0, 0]
     else:
         gfp, dfp = &gf[0, 0, 0, 0], &df[0, 0, 0, 0]
     cdef int64_t Pg = shape_g[1], Pd = shape_d[1]
@@ -790,14 +881,14 @@ def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels
             a0 = offsets[e]
             n = offsets[e + 1] - a0
             if n > 0:
-                dg_panel_matmul(tile, &x[a0, 0], H, n, gfp + e * gu_size if not q8 else NULL,
+                dg_panel_matmul(tile, &x[a0, 0], H, n, gfp + e * gu_size if gfp != NULL else NULL,
                                 gqp + e * gu_size if q8 else NULL, gsp + e * gu_scale_size if q8 else NULL,
-                                2 * I, H, &gate_up[a0, 0], 2 * I)
+                                gbp + e * gu_size if bf else NULL, 2 * I, H, &gate_up[a0, 0], 2 * I)
                 for r in range(a0, a0 + n):
                     dg_gelu_gate_row(&gate_up[r, 0], &gate_up[r, I], I, &act[r, 0])
-                dg_panel_matmul(tile, &act[a0, 0], I, n, dfp + e * down_size if not q8 else NULL,
+                dg_panel_matmul(tile, &act[a0, 0], I, n, dfp + e * down_size if dfp != NULL else NULL,
                                 dqp + e * down_size if q8 else NULL, dsp + e * down_scale_size if q8 else NULL,
-                                H, I, &y[a0, 0], H)
+                                dbp + e * down_size if bf else NULL, H, I, &y[a0, 0], H)
 
 
 # ============================================================================================ elementwise

@@ -24,6 +24,8 @@ import os
 
 import numpy as np
 
+from diffusiongemma.reference.support.quantized import BFLOAT16
+
 from . import _kernels
 
 __all__ = ["install", "CpuArrays", "CPU_ARRAYS"]
@@ -89,7 +91,16 @@ class CpuArrays:
 
     def matmul(self, a, b, out=None):
         """``numpy.matmul(a, b, out=out)``; 2-D C-contiguous float32 operands (b or b.T C-contiguous) not
-        overlapping ``out`` run on ``_kernels.gemm``."""
+        overlapping ``out`` run on ``_kernels.gemm``. A bfloat16 ``b`` (weights kept bfloat16) is taken as
+        its exact float32 values: ``_kernels.gemm_bf16`` when b.T is C-contiguous (the products
+        ``x @ W.T``), else NumPy's product on b widened whole."""
+        if getattr(b, "dtype", None) == BFLOAT16:
+            if (self.tiled and out is not None and a.ndim == 2 and b.ndim == 2 and out.ndim == 2
+                    and a.dtype == np.float32 and out.dtype == np.float32 and a.flags.c_contiguous
+                    and out.flags.c_contiguous and b.T.flags.c_contiguous and not np.may_share_memory(out, a)):
+                _kernels.gemm_bf16(a, b.T, out)
+                return out
+            return np.matmul(a, b.astype(np.float32), out=out)
         if (self.tiled and out is not None and a.ndim == 2 and b.ndim == 2 and out.ndim == 2
                 and a.dtype == np.float32 and b.dtype == np.float32 and out.dtype == np.float32
                 and a.flags.c_contiguous and out.flags.c_contiguous

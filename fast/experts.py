@@ -13,6 +13,11 @@ int8 panels with one float32 scale per block of 32 values of k (``pack_q8_0_pane
 weight, 3.56x fewer than float32 (the file's float16 scales widened once, at load). The kernel widens
 ``_kernels.PANEL_CHUNK`` (256) values of k of a panel at a time into a small buffer and runs the float32
 tile on it, so its result is the float32 path's on the dequantized weights, bit for bit.
+
+bfloat16 experts (a checkpoint that stores bfloat16, loaded with ``keep_bf16``) stay bfloat16 the same way:
+panels of the float32 layout with 2-byte entries, each chunk widened (a 16-bit shift, exact) before the
+float32 tile runs on it: half the bytes of float32, and the float32 path's result on the widened weights,
+bit for bit (``reference.support.quantized.is_bfloat16``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from diffusiongemma.reference.support.quantized import Q8_0Tensor, widen
+from diffusiongemma.reference.support.quantized import Q8_0Tensor, is_bfloat16, widen
 
 from . import _kernels
 
@@ -33,7 +38,7 @@ PANEL = _kernels.PANEL  # output columns of one panel (32)
 
 def pack_panels(w: np.ndarray) -> np.ndarray:
     """(..., N, K) -> (..., ceil(N/32), K, 32) C-contiguous, panel p holding rows 32p..32p+31 of w as
-    columns (zeros past N). float32 for float32 input; int8 input (Q8_0 values) stays int8."""
+    columns (zeros past N). float32 for float32 input; int8 (Q8_0 values) and bfloat16 input keep their type."""
     *lead, N, K = w.shape
     lead, whole = tuple(lead), N // PANEL
     P = -(-N // PANEL)
@@ -58,21 +63,24 @@ def pack_q8_0_panels(w: Q8_0Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class ExpertPanels:
-    """One layer's experts in the panel layout: float32, or Q8_0 kept quantized."""
+    """One layer's experts in the panel layout: float32, bfloat16 kept bfloat16, or Q8_0 kept quantized."""
 
-    gate_up: np.ndarray  # (E, ceil(2I/32), H, 32) float32 or int8: [gate_proj; up_proj] rows as panels
-    down: np.ndarray  # (E, ceil(H/32), I, 32) float32 or int8
+    gate_up: np.ndarray  # (E, ceil(2I/32), H, 32) float32, bfloat16 or int8: [gate_proj; up_proj] rows as panels
+    down: np.ndarray  # (E, ceil(H/32), I, 32) float32, bfloat16 or int8
     gate_up_scales: Any = None  # (E, ceil(2I/32), H/32, 32) float32 (Q8_0 only)
     down_scales: Any = None  # (E, ceil(H/32), I/32, 32) float32 (Q8_0 only)
 
     @classmethod
-    def from_weights(cls, gate_up, down) -> "ExpertPanels":
+    def from_weights(cls, gate_up, down, keep_bf16: bool = True) -> "ExpertPanels":
         """From the checkpoint's ``experts.gate_up_proj`` (E, 2I, H) and ``experts.down_proj`` (E, H, I):
-        float32 arrays, or both ``Q8_0Tensor`` (kept quantized). A Q8_0 tensor beside a float32 one is
-        widened: the experts of a layer share one kind."""
+        float32 arrays, both ``Q8_0Tensor`` (kept quantized), or both bfloat16 arrays (kept bfloat16 unless
+        ``keep_bf16`` is False). Two tensors of different kinds are both widened: the experts of a layer
+        share one kind."""
         if isinstance(gate_up, Q8_0Tensor) and isinstance(down, Q8_0Tensor):
             (g, gs), (d, ds) = pack_q8_0_panels(gate_up), pack_q8_0_panels(down)
             return cls(g, d, gs, ds)
+        if keep_bf16 and is_bfloat16(gate_up) and is_bfloat16(down):
+            return cls(pack_panels(np.asarray(gate_up)), pack_panels(np.asarray(down)))
         return cls(pack_panels(widen(gate_up)), pack_panels(widen(down)))
 
     @property
@@ -89,7 +97,9 @@ class ExpertPanels:
 
     @property
     def kind(self) -> str:
-        return "float32" if self.gate_up_scales is None else "q8_0"
+        if self.gate_up_scales is not None:
+            return "q8_0"
+        return "bfloat16" if is_bfloat16(self.gate_up) else "float32"
 
     @property
     def nbytes(self) -> int:

@@ -39,12 +39,13 @@ import numpy as np
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.generate import ReferenceBackend
 from diffusiongemma.reference.support.errors import ConfigError, InputError
-from diffusiongemma.reference.support.checks import (check_attention_mask, check_denoise_inputs, check_positions,
-                                                     check_token_ids)
+from diffusiongemma.reference.support.checks import (check_attention_mask, check_denoise_inputs, check_pass_memory,
+                                                     check_positions, check_token_ids)
 from diffusiongemma.reference.support.diagnosis import non_finite_error
 from diffusiongemma.reference.support.observer import NULL_OBSERVER
 from diffusiongemma.reference.primitives import rope_inverse_frequencies
 from diffusiongemma.reference.support.checkpoint_io import check_tensors, load_checkpoint
+from diffusiongemma.reference.support.quantized import is_bfloat16, widen
 
 from . import _kernels
 from .attention import attend
@@ -124,15 +125,19 @@ class Model:
     """
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], device: str = "cpu",
-                 release_tensors: bool = False):
+                 release_tensors: bool = False, keep_bf16: bool = True):
         """``release_tensors``: ``tensors`` is a dict this model may empty as it repacks (``from_pretrained``
-        passes its own, so that loading never holds the checkpoint's experts and their panels at once)."""
+        passes its own, so that loading never holds the checkpoint's experts and their panels at once).
+        ``keep_bf16``: bfloat16 arrays among ``tensors`` stay bfloat16 (the experts, and the matrices of
+        ``fast.weights.MATRICES_KEPT_BF16``), products widening them piece by piece: the float32 path's
+        result on the widened weights, bit for bit; False widens them at load."""
         self.device = check_device(device)
         check_tensors(tensors, config)
         self.config = config
         self.xp = CPU_ARRAYS  # NumPy with the products on the kernels' tiled BLAS calls (fast.blas)
         self.ops = _kernels
-        packed = pack(config, tensors, experts=ExpertPanels.from_weights, release=release_tensors)
+        packed = pack(config, tensors, experts=functools.partial(ExpertPanels.from_weights, keep_bf16=keep_bf16),
+                      release=release_tensors, keep_bf16=keep_bf16)
         self.embed_tokens, self.final_norm = packed.embed_tokens, packed.final_norm  # (V, H), (H,)
         self.sc_pre_norm, self.sc_gate_up, self.sc_down = packed.sc_pre_norm, packed.sc_gate_up, packed.sc_down
         self.layers = packed.layers
@@ -147,7 +152,8 @@ class Model:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, device: str = "cpu", keep_quantized: bool = True) -> "Model":
+    def from_pretrained(cls, path: str | os.PathLike, device: str = "cpu", keep_quantized: bool = True,
+                        keep_bf16: bool = True) -> "Model":
         """Load a converted checkpoint directory, a transformers checkpoint directory or a GGUF file.
 
         Reading is the reference's (``reference.weights.load_checkpoint``: same formats, same
@@ -155,10 +161,13 @@ class Model:
         raised before anything is read). ``keep_quantized``: a GGUF file's Q8_0 experts stay Q8_0 in
         memory (the result is the float32 path's on the dequantized weights, bit for bit; every other
         Q8_0 tensor is widened to float32); False widens everything at load, as the reference does.
+        ``keep_bf16``: the large matrices of a checkpoint that stores bfloat16 (a converted directory of
+        dtype bfloat16, a GGUF file's BF16 tensors) stay bfloat16 in memory (``Model(keep_bf16=...)``: the
+        same results, bit for bit, in half the bytes); False widens them at load.
         """
         check_device(device)
-        config, tensors = load_checkpoint(path, keep_quantized=keep_quantized)
-        return cls(config, tensors, device=device, release_tensors=True)
+        config, tensors = load_checkpoint(path, keep_quantized=keep_quantized, keep_bf16=keep_bf16)
+        return cls(config, tensors, device=device, release_tensors=True, keep_bf16=keep_bf16)
 
     @property
     def weight_nbytes(self) -> int:
@@ -219,6 +228,7 @@ class Model:
         config, ops, ws = self.config, self.ops, self.workspace
         L = cache.length
         check_positions(config, L, n, f"input_ids ({n} tokens)")
+        check_pass_memory(config, B * n, f"encoding input_ids ({B} x {n} tokens)")  # before the workspace grows
         positions = L + np.arange(n, dtype=np.int64)  # (n,)
         rows = np.arange(B, dtype=np.int64)
         cache.begin_append(mask)
@@ -349,6 +359,7 @@ class Model:
                 slots = cache.cached_slots(layer)
                 inputs = {f"cache keys of layer {layer}": cache.keys[layer][:, :, :slots],
                           f"cache values of layer {layer}": cache.values[layer][:, :, :slots]}
+        weights = {name: widen(value) if is_bfloat16(value) else value for name, value in weights.items()}
         return non_finite_error(stage, where, array, weights, inputs)
 
     def _layer_weights(self, l: int) -> dict[str, np.ndarray]:

@@ -17,6 +17,11 @@
    (int8 times scale is exact in float32: at most 8 + 11 significant bits) and run through the same tile,
    which carries its accumulators across chunks through the output rows. The result is therefore bit for
    bit that of the float32 panels of the dequantized weights.
+
+   bfloat16 weights keep the float32 layout with 16-bit entries, bpanels[p][k][j] (the top half of each
+   float32's bits). A chunk is widened the same way (a shift: exact), so the result is bit for bit that of
+   the float32 panels of the widened weights, at 2 bytes a weight. ``dg_widen_bf16`` also serves the tiled
+   BLAS products of ``_kernels.gemm_bf16`` (a tile's rows of a bfloat16 matrix widened before its call).
 */
 #ifndef DG_PANEL_GEMM_H
 #define DG_PANEL_GEMM_H
@@ -219,11 +224,30 @@ static void dg_widen_q8_0(const int8_t *q, const float *scales, int64_t kc, floa
     }
 }
 
-/* c (m, N) = x (m, K) W^T, W as panels of either type: float32 ``panels`` (ceil(N/32), K, 32), or, when
+/* n bfloat16 values (their bits) widened to float32: dst[i] = bits(src[i]) << 16, exact. */
+#if (defined(__GNUC__) && !defined(__clang__)) && defined(__x86_64__) && !defined(DG_NO_SIMD)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+static void dg_widen_bf16(const uint16_t *src, int64_t n, float *dst) {
+    for (int64_t i = 0; i < n; i++) {
+        union { uint32_t u; float f; } v;
+        v.u = (uint32_t)src[i] << 16;
+        dst[i] = v.f;
+    }
+}
+
+/* rows x cols of a bfloat16 matrix (row stride lds) widened into dst (row stride cols). */
+static void dg_widen_bf16_rows(const uint16_t *src, int64_t lds, int64_t rows, int64_t cols, float *dst) {
+    for (int64_t r = 0; r < rows; r++) dg_widen_bf16(src + r * lds, cols, dst + r * cols);
+}
+
+/* c (m, N) = x (m, K) W^T, W as panels of one of three types: float32 ``panels`` (ceil(N/32), K, 32); when
    ``qpanels`` is not NULL, Q8_0: int8 qpanels (ceil(N/32), K, 32) and float32 scales (ceil(N/32), K/32, 32),
-   K a multiple of 32, each chunk widened into a buffer on the calling thread's stack (32 KB). */
+   K a multiple of 32; when ``bpanels`` is not NULL, bfloat16 bits (ceil(N/32), K, 32). A quantized or
+   bfloat16 chunk is widened into a buffer on the calling thread's stack (32 KB). */
 static void dg_panel_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *panels,
-                            const int8_t *qpanels, const float *scales, int64_t N, int64_t K, float *c, int64_t ldc) {
+                            const int8_t *qpanels, const float *scales, const uint16_t *bpanels, int64_t N,
+                            int64_t K, float *c, int64_t ldc) {
     float buf[DG_KC * DG_NR] __attribute__((aligned(64)));
     if (m <= 0 || N <= 0) return;
     if (K == 0) {
@@ -239,6 +263,8 @@ static void dg_panel_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64
             if (qpanels)
                 dg_widen_q8_0(qpanels + (p * K + k0) * DG_NR, scales + (p * (K / DG_QK) + k0 / DG_QK) * DG_NR,
                               kc, buf);
+            else if (bpanels)
+                dg_widen_bf16(bpanels + (p * K + k0) * DG_NR, kc * DG_NR, buf);
             else
                 w = panels + (p * K + k0) * DG_NR;
             tile(m, x + k0, ldx, w, kc, c + p * DG_NR, ldc, nc, k0 > 0);

@@ -4,7 +4,9 @@ Both fast paths read a layer's attention projections as one fused matrix and the
 projections as one, so that a block makes one product where the reference makes two or three. ``pack``
 builds that layout from the project's tensor names (``reference.weights``), widening to float32 (a
 ``Q8_0Tensor`` too), and hands every array to ``upload`` (identity on the CPU; a copy to the device on the
-GPU). The CPU passes ``experts`` to keep the routed experts in its own panel layout (``fast.experts``).
+GPU). The CPU passes ``experts`` to keep the routed experts in its own panel layout (``fast.experts``),
+and ``keep_bf16`` to keep the other large matrices of a bfloat16 checkpoint bfloat16 (``MATRICES_KEPT_BF16``;
+its products widen them tile by tile, ``_kernels.gemm_bf16``).
 """
 
 from __future__ import annotations
@@ -15,9 +17,15 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from diffusiongemma.reference.config import ModelConfig
-from diffusiongemma.reference.support.quantized import widen
+from diffusiongemma.reference.support.quantized import is_bfloat16, widen
 
-__all__ = ["LayerWeights", "PackedWeights", "pack", "host_float32"]
+__all__ = ["LayerWeights", "PackedWeights", "pack", "host_float32", "MATRICES_KEPT_BF16"]
+
+#: The fields ``pack(keep_bf16=True)`` keeps bfloat16 when every tensor they are built from is: the products
+#: ``x @ W.T`` of the attention, the dense MLP and the self-conditioning MLP. The embedding stays float32:
+#: its soft-embedding product ``probs @ E`` sums over the whole vocabulary in one BLAS call, whose operand
+#: would have to be widened whole (or summed in another order). The router (E, H) is small and stays float32.
+MATRICES_KEPT_BF16 = ("qkv", "o_proj", "mlp_gate_up", "mlp_down", "sc_gate_up", "sc_down")
 
 
 def host_float32(array: np.ndarray) -> np.ndarray:
@@ -27,7 +35,8 @@ def host_float32(array: np.ndarray) -> np.ndarray:
 
 @dataclass
 class LayerWeights:
-    """One transformer block's tensors, repacked (float32, C-contiguous, on the model's device)."""
+    """One transformer block's tensors, repacked (float32, C-contiguous, on the model's device; with
+    ``pack(keep_bf16=True)`` the matrices of ``MATRICES_KEPT_BF16`` may be bfloat16)."""
 
     sliding: bool  # sliding-window layer (else full attention, no v_proj)
     head_dim: int  # d of this layer
@@ -69,7 +78,8 @@ class PackedWeights:
 
 def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
          upload: Callable[[np.ndarray], Any] = lambda array: array,
-         experts: Callable[[Any, Any], Any] | None = None, release: bool = False) -> PackedWeights:
+         experts: Callable[[Any, Any], Any] | None = None, release: bool = False,
+         keep_bf16: bool = False) -> PackedWeights:
     """Repack checked ``tensors`` (``reference.weights.check_tensors``) into the fast layout.
 
     upload: called on every float32 host array; returns what the model keeps (a device array on a GPU).
@@ -77,22 +87,31 @@ def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
     are, float32 or ``Q8_0Tensor``) becomes ``LayerWeights.experts`` and the two expert fields are None.
     release: ``tensors`` is a dict of the caller's that may be emptied: each layer's expert tensors are
     dropped from it once repacked, so that a load holds the checkpoint's copy of one layer at most.
+    keep_bf16: a matrix of ``MATRICES_KEPT_BF16`` whose tensors are all bfloat16 stays bfloat16 (host
+    arrays, C-contiguous, handed to ``upload`` too); otherwise everything is widened to float32.
     """
     t = _Widened(tensors)  # float32 values, quantized tensors dequantized (t.raw: as given)
     put = lambda array: upload(host_float32(array))  # noqa: E731
 
+    def matrix(*names: str):
+        """The named tensors stacked by rows: bfloat16 if kept (see keep_bf16), else float32."""
+        raw = [tensors[name] for name in names]
+        if keep_bf16 and all(is_bfloat16(a) for a in raw):
+            return upload(np.ascontiguousarray(raw[0] if len(raw) == 1 else np.concatenate(raw)))
+        return put(t[names[0]] if len(names) == 1 else np.concatenate([t[name] for name in names]))
+
     def layer(l: int) -> LayerWeights:
         p = f"layers.{l}."
         sliding = config.is_sliding(l)
-        projections = [t[p + "q_proj"], t[p + "k_proj"]] + ([t[p + "v_proj"]] if sliding else [])
+        projections = [p + "q_proj", p + "k_proj"] + ([p + "v_proj"] if sliding else [])
         return LayerWeights(
             sliding=sliding, head_dim=config.layer_head_dim[l], num_kv_heads=config.layer_num_key_value_heads[l],
-            qkv=put(np.concatenate(projections)), o_proj=put(t[p + "o_proj"]),
+            qkv=matrix(*projections), o_proj=matrix(p + "o_proj"),
             q_norm=put(t[p + "q_norm"]), k_norm=put(t[p + "k_norm"]),
             input_norm=put(t[p + "input_layernorm"]), post_attention_norm=put(t[p + "post_attention_layernorm"]),
             pre_ffn_norm=put(t[p + "pre_feedforward_layernorm"]),
-            mlp_gate_up=put(np.concatenate([t[p + "mlp.gate_proj"], t[p + "mlp.up_proj"]])),
-            mlp_down=put(t[p + "mlp.down_proj"]), post_ffn_norm_1=put(t[p + "post_feedforward_layernorm_1"]),
+            mlp_gate_up=matrix(p + "mlp.gate_proj", p + "mlp.up_proj"),
+            mlp_down=matrix(p + "mlp.down_proj"), post_ffn_norm_1=put(t[p + "post_feedforward_layernorm_1"]),
             router=put(t[p + "router.proj"]), router_scale=put(t[p + "router.scale"]),
             per_expert_scale=put(t[p + "router.per_expert_scale"]),
             pre_ffn_norm_2=put(t[p + "pre_feedforward_layernorm_2"]),
@@ -108,8 +127,8 @@ def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
     return PackedWeights(
         embed_tokens=put(t["embed_tokens"]), final_norm=put(t["final_norm"]),
         sc_pre_norm=put(t["self_conditioning.pre_norm"]),
-        sc_gate_up=put(np.concatenate([t["self_conditioning.gate_proj"], t["self_conditioning.up_proj"]])),
-        sc_down=put(t["self_conditioning.down_proj"]),
+        sc_gate_up=matrix("self_conditioning.gate_proj", "self_conditioning.up_proj"),
+        sc_down=matrix("self_conditioning.down_proj"),
         layers=[layer(l) for l in range(config.num_hidden_layers)],
     )
 

@@ -36,20 +36,21 @@ def _is_gguf_file(path: str) -> bool:
     return os.path.isfile(path) and path.lower().endswith(".gguf")
 
 
-def _read_gguf(path: str, keep_quantized: bool = False):
+def _read_gguf(path: str, keep_quantized: bool = False, keep_bf16: bool = False):
     from .gguf import load_gguf_checkpoint  # imports the gguf package only when a GGUF file is read
 
-    return load_gguf_checkpoint(path, keep_quantized=keep_quantized)
+    return load_gguf_checkpoint(path, keep_quantized=keep_quantized, keep_bf16=keep_bf16)
 
 
-def _read_transformers(path: str, keep_quantized: bool = False):  # safetensors here hold no quantized type
+def _read_transformers(path: str, keep_quantized: bool = False, keep_bf16: bool = False):
+    # safetensors here hold no quantized type; bfloat16 tensors are widened (the names and layout are mapped)
     from .conversion import load_transformers_checkpoint
 
     return load_transformers_checkpoint(path)
 
 
 # The formats ``reference.weights.load_checkpoint`` reads through the converter: (name, matches, read),
-# read(path, keep_quantized=False),
+# read(path, keep_quantized=False, keep_bf16=False),
 # declared as entry points of the group ``diffusiongemma.checkpoint_readers`` in setup.py.
 TRANSFORMERS_READER = ("a transformers checkpoint directory (config.json + safetensors)", _is_transformers_dir,
                        _read_transformers)

@@ -68,7 +68,7 @@ from diffusiongemma.reference.config import FULL, SLIDING, ModelConfig, RopePara
 from diffusiongemma.reference.support.config_checks import MAX_LAYERS
 from diffusiongemma.reference.support.errors import CheckpointError, ConfigError, InputError
 from diffusiongemma.reference.support.checkpoint_io import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, STORAGE_DTYPES
-from diffusiongemma.reference.support.quantized import Q8_0Tensor, widen
+from diffusiongemma.reference.support.quantized import BFLOAT16, Q8_0Tensor, is_bfloat16, widen
 from diffusiongemma.reference.weights import expected_shapes
 
 ARCHITECTURE = "diffusion-gemma"
@@ -648,9 +648,10 @@ class GGUFCheckpoint:
         """The numpy shape of GGUF tensor ``name`` (its ``ne`` reversed)."""
         return tuple(int(n) for n in reversed(self.tensors[name].shape))
 
-    def read(self, name: str, keep_quantized: bool = False) -> np.ndarray | Q8_0Tensor:
+    def read(self, name: str, keep_quantized: bool = False, keep_bf16: bool = False) -> np.ndarray | Q8_0Tensor:
         """GGUF tensor ``name`` dequantized to a float32 array of its numpy shape (a fresh copy); with
-        ``keep_quantized`` a Q8_0 tensor comes as a ``Q8_0Tensor`` instead (its int8 values and scales)."""
+        ``keep_quantized`` a Q8_0 tensor comes as a ``Q8_0Tensor`` instead (its int8 values and scales), with
+        ``keep_bf16`` a BF16 tensor as a bfloat16 array (its bits as stored)."""
         from gguf import GGMLQuantizationType, quants
 
         tensor = self.tensors[name]
@@ -669,6 +670,8 @@ class GGUFCheckpoint:
             data = raw.reshape(quants.quant_shape_to_byte_shape(shape, qtype))
         if keep_quantized and qtype == GGMLQuantizationType.Q8_0:
             return Q8_0Tensor.from_blocks(data, shape)
+        if keep_bf16 and qtype == GGMLQuantizationType.BF16:
+            return np.ascontiguousarray(raw).view(BFLOAT16).reshape(shape)
         try:
             if qtype == GGMLQuantizationType.F32:
                 out = data
@@ -933,9 +936,11 @@ def plan_gguf(checkpoint: GGUFCheckpoint) -> dict[str, tuple[str, ...]]:
 
 
 def iter_gguf_tensors(checkpoint: GGUFCheckpoint, plan: dict[str, tuple[str, ...]] | None = None,
-                      progress: bool = False, keep_quantized: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+                      progress: bool = False, keep_quantized: bool = False,
+                      keep_bf16: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(project name, float32 array)`` one tensor at a time, in ``expected_shapes`` order; with
-    ``keep_quantized`` a tensor stored as Q8_0 (both halves, for split expert gate/up) is a ``Q8_0Tensor``.
+    ``keep_quantized`` a tensor stored as Q8_0 (both halves, for split expert gate/up) is a ``Q8_0Tensor``,
+    with ``keep_bf16`` one stored as BF16 (both halves) a bfloat16 array.
 
     Raises ``CheckpointError`` for a tensor type the gguf package cannot dequantize, NaN/inf values, or an
     ``output.weight`` that differs from ``token_embd.weight``.
@@ -949,14 +954,16 @@ def iter_gguf_tensors(checkpoint: GGUFCheckpoint, plan: dict[str, tuple[str, ...
     try:
         for name, sources in plan.items():
             if len(sources) == 2:
-                parts = [checkpoint.read(s, keep_quantized) for s in sources]
+                parts = [checkpoint.read(s, keep_quantized, keep_bf16) for s in sources]
                 if all(isinstance(p, Q8_0Tensor) for p in parts):
                     array = Q8_0Tensor.concatenate(parts, axis=1)
+                elif all(is_bfloat16(p) for p in parts):
+                    array = np.concatenate(parts, axis=1)
                 else:
                     array = np.concatenate([widen(p) for p in parts], axis=1)
                 del parts
             else:
-                array = checkpoint.read(sources[0], keep_quantized)
+                array = checkpoint.read(sources[0], keep_quantized, keep_bf16)
             check_finite(array, f"{sources[0]} ({name})")
             if name == "embed_tokens" and OUTPUT in checkpoint.tensors:
                 head = checkpoint.read(OUTPUT)
@@ -971,12 +978,14 @@ def iter_gguf_tensors(checkpoint: GGUFCheckpoint, plan: dict[str, tuple[str, ...
         bar.close()
 
 
-def load_gguf_checkpoint(path: str | os.PathLike, progress: bool = False,
-                         keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_gguf_checkpoint(path: str | os.PathLike, progress: bool = False, keep_quantized: bool = False,
+                         keep_bf16: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """``(config, {project name: float32 array})`` of a diffusion-gemma GGUF file (see the module docstring);
-    with ``keep_quantized``, Q8_0 tensors as ``Q8_0Tensor`` (``reference.support.quantized``)."""
+    with ``keep_quantized``, Q8_0 tensors as ``Q8_0Tensor`` (``reference.support.quantized``); with
+    ``keep_bf16``, BF16 tensors as bfloat16 arrays."""
     checkpoint = GGUFCheckpoint.open(path)
-    tensors = dict(iter_gguf_tensors(checkpoint, progress=progress, keep_quantized=keep_quantized))
+    tensors = dict(iter_gguf_tensors(checkpoint, progress=progress, keep_quantized=keep_quantized,
+                                     keep_bf16=keep_bf16))
     return checkpoint.config, tensors
 
 

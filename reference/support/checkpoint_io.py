@@ -166,10 +166,11 @@ def _pinned_directory(path: str) -> tuple[int | None, str]:
     return None, path
 
 
-def load_converted(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_converted(path: str | os.PathLike, keep_bf16: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read a converted checkpoint directory, whole.
 
-    Returns ``(config, tensors)`` with every tensor widened to float32, shape-checked against
+    Returns ``(config, tensors)`` with every tensor widened to float32 (with ``keep_bf16``, a directory of
+    dtype bfloat16 hands its tensors over as bfloat16 arrays instead, exact as stored), shape-checked against
     ``expected_shapes(config)`` and finite (``check_finite``). Every tensor of a listed file must be listed
     in the index and stored in the index's dtype.
 
@@ -185,14 +186,14 @@ def load_converted(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, np.n
     """
     for attempt in range(3):
         try:
-            return _load_converted_once(os.fspath(path))
+            return _load_converted_once(os.fspath(path), keep_bf16)
         except CheckpointChanged:
             if attempt == 2:
                 raise
     raise AssertionError("unreachable")
 
 
-def _load_converted_once(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def _load_converted_once(path: str, keep_bf16: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     fd, base = _pinned_directory(path)
     try:
         index = read_index(path, base)
@@ -200,13 +201,14 @@ def _load_converted_once(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]
             config = ModelConfig.from_dict(index["model_config"])
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{path}/{INDEX_FILE}: bad model_config ({exc})") from exc
-        return config, _read_weight_files(path, base, index, config)
+        return config, _read_weight_files(path, base, index, config, keep_bf16)
     finally:
         if fd is not None:
             os.close(fd)
 
 
-def _read_weight_files(path: str, base: str, index: dict, config: ModelConfig) -> dict[str, np.ndarray]:
+def _read_weight_files(path: str, base: str, index: dict, config: ModelConfig,
+                       keep_bf16: bool = False) -> dict[str, np.ndarray]:
     by_file: dict[str, list[str]] = {}
     for name, filename in index["weight_map"].items():
         by_file.setdefault(filename, []).append(name)
@@ -240,7 +242,8 @@ def _read_weight_files(path: str, base: str, index: dict, config: ModelConfig) -
                     if stored != want_dtype:
                         raise CheckpointError(f"{file_path}: tensor {name!r} is stored as {stored}, but "
                                               f"{INDEX_FILE} says dtype {index['dtype']!r} ({want_dtype})")
-                    tensors[name] = to_float32(f.get_tensor(name), name)
+                    array = f.get_tensor(name)
+                    tensors[name] = array if keep_bf16 and array.dtype == BFLOAT16 else to_float32(array, name)
         except (SafetensorError, OSError) as exc:
             if not os.path.isfile(os.path.join(base, INDEX_FILE)):  # the directory went away under us
                 raise CheckpointChanged(f"{path}: a replace is in progress (the checkpoint was replaced while it "
@@ -260,9 +263,10 @@ _READERS: list[tuple[str, Callable[[str], bool], Callable[[str], tuple]]] = []
 
 def register_checkpoint_reader(name: str, matches: Callable[[str], bool], read: Callable[..., tuple]) -> None:
     """Teach ``load_checkpoint`` another format: ``matches(path)`` says whether ``read(path)`` applies;
-    ``read(path, keep_quantized=False)`` returns ``(config, tensors)``, float32 arrays, except that with
-    ``keep_quantized`` a matrix the file stores quantized may come as a ``support.quantized.Q8_0Tensor``
-    (a format without quantized types ignores the flag). Registering a name again replaces that reader."""
+    ``read(path, keep_quantized=False, keep_bf16=False)`` returns ``(config, tensors)``, float32 arrays, except
+    that with ``keep_quantized`` a matrix the file stores quantized may come as a
+    ``support.quantized.Q8_0Tensor``, and with ``keep_bf16`` one it stores as bfloat16 as a bfloat16 array (a
+    format without such types ignores the flag; each flag is passed only when set). Registering a name again replaces that reader."""
     _READERS[:] = [r for r in _READERS if r[0] != name] + [(name, matches, read)]
 
 
@@ -286,13 +290,17 @@ _INSTALLED_READERS = (("transformers", "diffusiongemma.weights_converter:TRANSFO
                       ("gguf", "diffusiongemma.weights_converter:GGUF_READER"))
 
 
-def load_checkpoint(path: str | os.PathLike, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_checkpoint(path: str | os.PathLike, keep_quantized: bool = False,
+                    keep_bf16: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """``(config, float32 tensors)`` of a checkpoint: a converted directory (read here), or any format a
     registered reader knows (the converter registers a transformers directory and a GGUF file).
 
     ``keep_quantized``: matrices a GGUF file stores as Q8_0 come as ``Q8_0Tensor`` (int8 values, float16
     scales) instead of float32; ``quantized.widen`` gives their exact float32 values. Only a model that
     computes on them directly asks for this (the CPU fast path, for its experts).
+    ``keep_bf16``: tensors a file stores as bfloat16 (a converted directory of dtype bfloat16, a GGUF file's
+    BF16 tensors) come as bfloat16 arrays (``ml_dtypes``; ``quantized.widen`` widens them exactly). The
+    CPU fast path asks for this too; a format that stores no bfloat16 ignores it.
 
     Raises ``CheckpointError`` when ``path`` does not exist or is no known kind, or when its tensors are
     wrong, and ``ConfigError`` for an invalid config. Every backend's ``Model.from_pretrained`` loads
@@ -300,11 +308,13 @@ def load_checkpoint(path: str | os.PathLike, keep_quantized: bool = False) -> tu
     """
     path = os.fspath(path)
     if os.path.isdir(path) and is_converted_checkpoint(path):
-        return load_converted(path)
+        return load_converted(path, keep_bf16=keep_bf16)
     readers = checkpoint_readers()
     for _, matches, read in readers:
         if matches(path):
-            return read(path, keep_quantized=True) if keep_quantized else read(path)
+            options = {key: True for key, wanted in (("keep_quantized", keep_quantized), ("keep_bf16", keep_bf16))
+                       if wanted}
+            return read(path, **options)
     if not os.path.exists(path):
         raise CheckpointError(f"model path {path!r} does not exist")
     known = ", ".join([f"a converted diffusiongemma directory ({INDEX_FILE})"] + [name for name, _, _ in readers])

@@ -9,6 +9,12 @@ Readers hand a ``Q8_0Tensor`` over only when a caller asks them to keep quantize
 (``load_checkpoint(path, keep_quantized=True)``; the CPU fast path does, for its routed experts); every
 other tensor, and every tensor of every other caller, is float32 as always. ``widen`` gives the float32
 array of either kind.
+
+bfloat16 is the other storage type a backend may compute on directly: a checkpoint that stores bfloat16
+(a converted directory written with ``--dtype bfloat16``, a GGUF file's BF16 tensors) hands its matrices
+over as numpy arrays of ``ml_dtypes.bfloat16`` when asked (``load_checkpoint(path, keep_bf16=True)``).
+A bfloat16 value is the top 16 bits of a float32, so widening is exact and a bfloat16 matrix, too, stands
+for one float32 matrix, bit for bit (``widen``; ``is_bfloat16`` tells the kind).
 """
 
 from __future__ import annotations
@@ -16,11 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import ml_dtypes
 import numpy as np
 
 from .errors import CheckpointError
 
-__all__ = ["Q8_0_BLOCK", "Q8_0_BLOCK_BYTES", "Q8_0Tensor", "widen"]
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # numpy's bfloat16 (ml_dtypes), as safetensors reads BF16
+
+__all__ = ["BFLOAT16", "Q8_0_BLOCK", "Q8_0_BLOCK_BYTES", "Q8_0Tensor", "is_bfloat16", "widen"]
 
 Q8_0_BLOCK = 32  # values per block (along the last axis)
 Q8_0_BLOCK_BYTES = 2 + Q8_0_BLOCK  # a float16 scale, then the int8 values (llama.cpp's block_q8_0)
@@ -78,8 +87,14 @@ class Q8_0Tensor:
         return (v * self.scales.astype(np.float32)[..., None]).reshape(self.shape)
 
 
+def is_bfloat16(tensor) -> bool:
+    """Whether ``tensor`` is a numpy array of bfloat16 (kept bfloat16 by ``load_checkpoint(keep_bf16=True)``)."""
+    return isinstance(tensor, np.ndarray) and tensor.dtype == BFLOAT16
+
+
 def widen(tensor) -> np.ndarray:
-    """The float32 values of ``tensor``: a ``Q8_0Tensor`` dequantized, anything else as a float32 array."""
+    """The float32 values of ``tensor``: a ``Q8_0Tensor`` dequantized, anything else (bfloat16 included:
+    exactly) as a float32 array."""
     if isinstance(tensor, Q8_0Tensor):
         return tensor.dequantize()
     return np.asarray(tensor, dtype=np.float32)
