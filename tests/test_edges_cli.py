@@ -412,3 +412,18 @@ def test_the_budget_counts_the_activations_of_the_prompts_pass(monkeypatch):
         with pytest.raises(InputError, match=r"this run needs about [\d,]+ bytes \(0\.2\d GiB: KV cache, logits and "
                                              r"activations for a 512-token prompt and 1 canvas\(es\) of 16, 64 row"):
             run(model, ids, max_new_tokens=16, max_denoising_steps=1)
+
+
+def test_the_fast_encoder_checks_its_activations_before_growing_its_buffers(monkeypatch):
+    """``model.encode`` outside ``generate`` (no run budget): the pass's buffers are sized from the input."""
+    from diffusiongemma.reference.support import checks
+
+    model = fast.Model(CONFIG, TENSORS)
+    cache = model.new_cache(4)
+    monkeypatch.setattr(checks, "available_memory", lambda: 2 ** 20)
+    with pytest.raises(InputError, match=r"^encoding input_ids \(4 x 512 tokens\) needs about [\d,]+ bytes "
+                                         r"\(0\.0\d GiB\) of activations but 1,048,576 bytes"):
+        model.encode(np.full((4, 512), 5), cache)
+    assert cache.length == 0 and not model.workspace.nbytes
+    model.encode(np.full((4, 8), 5), cache)  # a pass that fits runs, and the cache is still usable
+    assert cache.length == 8

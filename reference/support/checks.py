@@ -240,6 +240,19 @@ def activation_floats_per_token(model_config: Any) -> int:
     return 10 * H + 3 * n_h * d + 4 * g * d + 3 * I + K * (2 * H + 3 * Ie) + E + 3 * K
 
 
+def check_pass_memory(model_config: Any, tokens: int, what: str) -> None:
+    """Refuse (``InputError`` with the estimate) a forward pass over ``tokens`` tokens (rows x positions) whose
+    activations (``activation_floats_per_token``) do not fit in ``available_memory()``; ``what`` names the
+    input. For a model's own ``encode``/``denoise`` called outside ``generate`` (whose ``check_budget``
+    counts them with the rest of the run)."""
+    needed = 4 * int(tokens) * activation_floats_per_token(model_config)
+    free = available_memory()
+    if free is not None and needed > free:
+        raise InputError(f"{what} needs about {needed:,} bytes ({needed / 2 ** 30:.2f} GiB) of activations but "
+                         f"{free:,} bytes ({free / 2 ** 30:.2f} GiB) of memory are available; pass fewer rows or "
+                         "tokens at a time")
+
+
 def run_memory_bytes(model_config: Any, batch_size: int, cached: int, total: int, tokens: int = 0) -> int:
     """Bytes a run adds: float32 keys and values for positions ``cached .. total - 1`` of every layer (a
     sliding layer keeps at most ``sliding_window - 1``), four (B, C, V) float32 logit-sized buffers
