@@ -3,6 +3,7 @@
     python benchmarks/bench_fast.py [--threads 1 2] [--configs small medium] [--repeats 3]
                                     [--phases quiet contended] [--no-stages] [--no-sampling]
     python benchmarks/bench_fast.py --sampler-ab OTHER_BUILD.so [--threads 1 2] [--repeats 9]
+    python benchmarks/bench_fast.py --bf16 [--configs medium real] [--threads 2] [--repeats 3]
 
 Two phases: "quiet" (whatever else the machine runs) and "contended", during which the benchmark keeps one
 busy background process of its own (a Python loop) and stops it after. In each phase and at each thread
@@ -21,6 +22,12 @@ of them alike; every line carries the load average when it was printed. At the e
 of one fast generate per configuration at one thread (``StageProfile``: share of the time and GFLOP/s of
 attention, dense MLP, the experts' routing and their products, output projection, self-conditioning product and
 MLP, sampling, encoder).
+``--bf16`` instead compares one checkpoint that stores bfloat16 (the configuration's random weights
+rounded to bfloat16, written as a converted directory in a temporary folder) loaded two ways, each in a
+process of its own so that its memory is its own: widened to float32 at load (``keep_bf16=False``) and kept
+bfloat16 (the default): weights held (``Model.weight_nbytes``), resident memory after the load and its peak
+(``ru_maxrss``), load time, generate time (two rounds in alternation, each the median of ``--repeats`` after
+a warm-up), and whether the generated tokens are the same.
 The machine line, thread pools and the git commit are printed first. Weights are random
 (``tests.random_weights.random_tensors``); timings do not depend on their values except through adaptive
 stopping, which is off.
@@ -553,6 +560,93 @@ def sampler_ab_line(other_path: str, repeats: int, report, threads: int):
                f"-> this / other = {t['this build'] / t['other build']:.3f} (same draws: {same}; {load_now()})")
 
 
+# ------------------------------------------------------------------------------------------ bf16 storage
+def _rss_bytes() -> int:
+    """Resident memory of this process now (VmRSS)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def bf16_child(name: str, path: str, keep: bool, repeats: int, threads: int) -> None:
+    """One side of ``--bf16``: load ``path`` (widened or kept bfloat16), time generate, print one JSON line."""
+    import hashlib
+    import json
+    import resource
+
+    setup = SETUPS[name]
+    start = time.perf_counter()
+    model = fast.Model.from_pretrained(path, keep_bf16=keep)
+    load = time.perf_counter() - start
+    rss = _rss_bytes()
+    prompt = np.random.default_rng(0).integers(3, model.config.vocab_size, (setup.batch, setup.prompt))
+    times = []
+    with threadpool_limits(limits=threads):
+        result = ours_generate(model, prompt, setup)  # warm-up
+        for _ in range(repeats):
+            start = time.perf_counter()
+            ours_generate(model, prompt, setup)
+            times.append(time.perf_counter() - start)
+    kinds = sorted({w.experts.kind for w in model.layers})
+    print("BF16CHILD " + json.dumps({
+        "weights": model.weight_nbytes, "rss": rss, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "load": load, "generate": statistics.median(times), "experts": kinds,
+        "qkv": str(model.layers[0].qkv.dtype), "tokens": hashlib.sha256(result.sequences.tobytes()).hexdigest()[:16]}),
+        flush=True)
+
+
+def bf16_lines(args) -> None:
+    """``--bf16``: float32-widened against bfloat16-kept, on a bfloat16 checkpoint of each configuration."""
+    import json
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    from diffusiongemma.reference.support.quantized import BFLOAT16
+
+    print(f"machine: {machine_line()}\ncommit: {git_commit()}\nkernels: panel ISA {fast._kernels.panel_isa()}, "
+          f"tiled products {fast.model.CPU_ARRAYS.tiled}, OpenMP threads available "
+          f"{fast._kernels.max_threads()}", flush=True)
+    gib = 2.0 ** 30
+    for name in args.configs:
+        setup = SETUPS[name]
+        config = make_config(**setup.config_kwargs)
+        with tempfile.TemporaryDirectory(prefix="bench-bf16-") as folder:
+            tensors = {k: v.astype(BFLOAT16) for k, v in random_tensors(config, 0).items()}
+            save_file(tensors, os.path.join(folder, "weights-00001.safetensors"))
+            with open(os.path.join(folder, "diffusiongemma.json"), "w") as f:
+                json.dump({"format": "diffusiongemma", "format_version": 1, "dtype": "bfloat16",
+                           "model_config": config.to_dict(),
+                           "weight_map": {k: "weights-00001.safetensors" for k in tensors}}, f)
+            n_params = sum(int(v.size) for v in tensors.values())
+            del tensors
+            for threads in args.threads:
+                runs: dict[bool, list[dict]] = {False: [], True: []}
+                for _ in range(2):  # two rounds, in alternation
+                    for keep in (False, True):
+                        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--bf16-child", name, folder,
+                                              str(int(keep)), str(args.repeats), str(threads)],
+                                             capture_output=True, text=True, env=dict(os.environ))
+                        line = next((l for l in out.stdout.splitlines() if l.startswith("BF16CHILD ")), None)
+                        if line is None:
+                            raise SystemExit(f"--bf16 child failed:\n{out.stdout}\n{out.stderr}")
+                        runs[keep].append(json.loads(line[len("BF16CHILD "):]))
+                print(f"\n{name} ({n_params / 1e6:.1f} M parameters; generate {setup.canvases} canvas(es) x "
+                      f"{setup.steps} steps, batch {setup.batch}, prompt {setup.prompt}), {threads} thread(s), "
+                      f"{load_now()}:", flush=True)
+                for keep, label in ((False, "float32 (keep_bf16=False)"), (True, "bfloat16 kept")):
+                    r = runs[keep]
+                    print(f"  {label:26s} weights {r[0]['weights'] / gib:.3f} GiB, RSS after load "
+                          f"{min(x['rss'] for x in r) / gib:.3f} GiB, peak RSS {min(x['peak'] for x in r) / gib:.3f} GiB, "
+                          f"load {min(x['load'] for x in r):.2f} s, generate {' / '.join('%.3f' % x['generate'] for x in r)} s "
+                          f"(experts {r[0]['experts']}, qkv {r[0]['qkv']})", flush=True)
+                f32, b16 = runs[False], runs[True]
+                same = len({x["tokens"] for x in f32 + b16}) == 1
+                ratio = statistics.median(x["generate"] for x in b16) / statistics.median(x["generate"] for x in f32)
+                print(f"  bfloat16 / float32: weights {b16[0]['weights'] / f32[0]['weights']:.3f}, peak RSS "
+                      f"{min(x['peak'] for x in b16) / min(x['peak'] for x in f32):.3f}, generate time {ratio:.3f}; "
+                      f"generated tokens {'identical' if same else 'DIFFER'}", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -564,7 +658,18 @@ def main(argv=None):
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--sampler-ab", metavar="SO", help="only time the sampling pass of this build against the "
                                                            "_kernels build in SO, in alternation, and exit")
+    parser.add_argument("--bf16", action="store_true", help="only compare a bfloat16 checkpoint widened to float32 "
+                                                            "at load against kept bfloat16, and exit")
+    parser.add_argument("--bf16-child", nargs=5, metavar=("CONFIG", "PATH", "KEEP", "REPEATS", "THREADS"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.bf16_child:
+        name, path, keep, repeats, threads = args.bf16_child
+        bf16_child(name, path, keep == "1", int(repeats), int(threads))
+        return
+    if args.bf16:
+        bf16_lines(args)
+        return
     if args.sampler_ab:
         print(f"machine: {machine_line()}\ncommit: {git_commit()}", flush=True)
         for threads in args.threads:
