@@ -85,9 +85,12 @@ def test_a_batch_too_large_for_memory_is_refused_before_allocating(monkeypatch):
     with pytest.raises(InputError, match=r"this run needs about [\d,]+ bytes .*1000000 row\(s\)\) but "
                                          r"1,073,741,824 bytes"):
         fast.generate(model, np.full((10 ** 6, 4), 5), max_new_tokens=32)
-    cache = model.new_cache(10 ** 6)  # the API's own cache: its first growth is checked too
-    with pytest.raises(InputError, match=r"the KV cache for 1000000 row\(s\) and 32 positions needs about"):
+    cache = model.new_cache(10 ** 6)  # the API's own calls: the encoder's pass and the cache's growth
+    with pytest.raises(InputError, match=r"^encoding input_ids \(1000000 x 4 tokens\) needs about [\d,]+ bytes"):
         model.encode(np.full((10 ** 6, 4), 5), cache)
+    with pytest.raises(InputError, match=r"^the KV cache for 1000000 row\(s\) and 1,024 positions needs about"):
+        cache.reserve(1000)
+    assert cache.capacity == 0
 
 
 def test_the_gpu_path_refuses_a_huge_canvas_before_allocating():
