@@ -173,16 +173,21 @@ def verses_in_context(data_dir: Path, tokenizer, max_context: int = 224) -> list
     return out
 
 
-def heldout_verses_in_context(model, items: list, batch_size: int, seed: int) -> dict:
+def heldout_verses_in_context(model, items: list, batch_size: int, seed: int, deadline: float = math.inf) -> dict:
     """Canvas CE on the tokens of each held-out verse (its first C tokens) when the canvas starts at the
     verse and the prompt is <bos> + the chapter text before it; positions after the verse are not scored
     (their targets differ between a verse model and a running-text model). t ~ U(0.001, 1) and the
-    self-conditioning coin from a fixed seed."""
+    self-conditioning coin from a fixed seed. No batch starts that would end (judged by the slowest
+    so far) past ``deadline`` (a ``time.time()``); ``verses`` says how many were scored."""
     gen = torch.Generator().manual_seed(seed)
     C, V = model.config.canvas_length, model.config.text_config.vocab_size
-    tot, n = 0.0, 0
+    tot, n, done, batch_s = 0.0, 0, 0, 0.0
     for b0 in range(0, len(items), batch_size):
+        if done and time.time() + batch_s > deadline:  # the next batch would end past the deadline
+            break
+        tb = time.time()
         chunk = items[b0:b0 + batch_size]
+        done += len(chunk)
         rows = [np.concatenate([[TT.BOS_ID], c, v[:C]]) for c, v in chunk]
         S = max(len(r) for r in rows)
         x = torch.full((len(rows), S), TT.PAD_ID, dtype=torch.int64)
@@ -196,7 +201,8 @@ def heldout_verses_in_context(model, items: list, batch_size: int, seed: int) ->
         ce, fill, _ = canvas_ce(model, x, valid, P, R, noise)
         tot += ce[~fill].sum().item()
         n += int((~fill).sum())
-    return dict(tokens=tot / n, positions=n, verses=len(items))
+        batch_s = max(batch_s, time.time() - tb)
+    return dict(tokens=tot / n, positions=n, verses=done, of_verses=len(items))
 
 
 class CountingStreamer:
@@ -295,9 +301,10 @@ def load_model(path: str, device: str = "cpu"):
 
 
 def evaluate(path: str, data: Path, args, device: str = "cpu", say=print, deadline: float = math.inf) -> dict:
-    """Every measure of one checkpoint (see the module docstring), as a dict; prints as it goes. Past
-    ``deadline`` (a ``time.time()``) no further sample is started: the default runs come first, then the
-    other prompts, and ``res["cut_short"]`` says when samples were left out."""
+    """Every measure of one checkpoint (see the module docstring), as a dict; prints as it goes. With a
+    ``deadline`` (a ``time.time()``), the verses in context get at most half of the time left, and no
+    sample starts that would end (judged by the slowest so far) past it: the default runs come first,
+    then the other prompts, and ``res["cut_short"]`` counts the samples left out."""
     model, tokenizer = load_model(path, device)
     if args.steps:
         model.generation_config.max_denoising_steps = args.steps
@@ -329,10 +336,12 @@ def evaluate(path: str, data: Path, args, device: str = "cpu", say=print, deadli
         res["verses"] = v
         say(f"held-out verses, canvas CE: real verse tokens {v['tokens']:.4f}, <eos> fill {v['fill']:.4f}, "
             f"all {v['all']:.4f}, encoder AR {v['ar']:.4f}")
-        vc = heldout_verses_in_context(model, verses_in_context(data, tokenizer), args.batch_size, args.seed)
+        half = time.time() + (deadline - time.time()) / 2  # keep half of what is left for the samples
+        vc = heldout_verses_in_context(model, verses_in_context(data, tokenizer), args.batch_size, args.seed,
+                                       half)
         res["verses_in_context"] = vc
         say(f"held-out verses in their chapter context, canvas CE on verse tokens {vc['tokens']:.4f} "
-            f"({vc['verses']} verses, {vc['positions']} positions)")
+            f"({vc['verses']} of {vc['of_verses']} verses, {vc['positions']} positions)")
 
     words, bigrams = corpus_words(data), corpus_bigrams(data)
     rng = np.random.default_rng(args.seed)
@@ -342,20 +351,31 @@ def evaluate(path: str, data: Path, args, device: str = "cpu", say=print, deadli
         j = int(rng.integers(0, max(1, len(ch) - 64)))
         words4 = tokenizer.decode(ch[j:j + 40].tolist()).split()[1:5]  # skip a possibly cut first word
         prompts.append(" ".join(words4))
-    runs, cut = [], 0
+    runs, cut, sample_s = [], 0, 0.0
+
+    def fits() -> bool:  # would one more sample, as long as the longest so far, end before the deadline?
+        return time.time() + sample_s <= deadline
+
+    def timed_sample(prompt, seed):
+        nonlocal sample_s
+        ts = time.time()
+        out = sample(model, tokenizer, prompt, seed, args.max_new_tokens)
+        sample_s = max(sample_s, time.time() - ts)
+        return out
+
     for seed in range(args.seeds):
-        if time.time() > deadline:
+        if not fits():
             cut += 1
             continue
-        s = sample(model, tokenizer, DEFAULT_PROMPT, seed, args.max_new_tokens)
+        s = timed_sample(DEFAULT_PROMPT, seed)
         runs.append(dict(seed=seed, text=s["text"], canvases=s["canvases"], eos=s["eos"], steps=s["steps"],
                          tokens_per_forward=s["tokens_per_forward"]))
     samples = []
     for j, p in enumerate(prompts):
-        if time.time() > deadline:
+        if not fits():
             cut += 1
             continue
-        s = sample(model, tokenizer, p, args.seed + j, args.max_new_tokens)
+        s = timed_sample(p, args.seed + j)
         s["prompt"] = p
         samples.append(s)
         t = s["text"]
@@ -402,7 +422,11 @@ def markdown(results: list, data: Path, args, chars: int = 240) -> str:
     if not args.no_losses:
         row("held-out running text: canvas CE on real tokens (nats/token, lower is better)",
             lambda r: _f(r["running"]["tokens"]))
-        row("held-out verses in their chapter context: canvas CE", lambda r: _f(r["verses_in_context"]["tokens"]))
+        row("held-out verses in their chapter context: canvas CE",
+            lambda r: _f(r["verses_in_context"]["tokens"]) + (
+                f" ({r['verses_in_context']['verses']} of {r['verses_in_context']['of_verses']} verses: time)"
+                if r["verses_in_context"].get("of_verses", r["verses_in_context"]["verses"])
+                != r["verses_in_context"]["verses"] else ""))
         row("held-out running text: encoder AR CE", lambda r: _f(r["running"]["ar"]))
         row("unigram baseline CE (token frequencies)", lambda r: _f(r["unigram_entropy"]))
     row("generated word bigrams found in the corpus", lambda r: f"{_f(r['bigram_share'])} (of {r['generated_bigrams']})")
@@ -455,7 +479,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--markdown", default="", help="also write the comparison table and samples here")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--minutes", type=float, default=0.0,
-                    help="budget (0: none): past it no further sample starts, the measures use those written")
+                    help="budget (0: none): no sample starts that would end past it; the measures use those written")
     ap.add_argument("--baseline-json", default="",
                     help="take the baseline's measures from this --json file of an earlier run, not --baseline")
     args = ap.parse_args(argv)
@@ -481,7 +505,7 @@ def main(argv=None) -> dict:
         results.append((f"{label}: `{Path(path).name}`", evaluate(path, data, args, device, deadline=deadline)))
     md = markdown(results, data, args, args.sample_chars)
     print("\n" + md)
-    out = {label: r for label, r in results}
+    out = results[0][1] if len(results) == 1 else {label: r for label, r in results}  # one model: its dict
     if args.json:
         tmp = Path(args.json + ".tmp")
         tmp.write_text(json.dumps(out, indent=1, default=str) + "\n")
@@ -490,7 +514,7 @@ def main(argv=None) -> dict:
         tmp = Path(args.markdown + ".tmp")
         tmp.write_text(md + "\n")
         tmp.replace(args.markdown)
-    return out if len(results) > 1 else results[0][1]
+    return out
 
 
 if __name__ == "__main__":

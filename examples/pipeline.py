@@ -201,7 +201,7 @@ def main(argv=None) -> dict:
         R.say("## evaluate: skipped, no time left")
         R.stages.append(dict(stage="evaluate", rc=None, seconds=0))
     else:  # its own budget stops sampling in time; the hard limit is a last resort
-        R.run("evaluate", cmd + ["--minutes", f"{(R.left() - 20) / 60:.3f}"], R.left() - 8)
+        R.run("evaluate", cmd + ["--minutes", f"{(R.left() - 30) / 60:.3f}"], R.left() - 8)
 
     # 4. pack the new model into a few files
     ts = time.time()

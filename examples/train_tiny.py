@@ -487,7 +487,8 @@ def data_split(data: str) -> dict:
 
 def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
     """Linear warmup over ``warmup_steps``, then a cosine from ``lr`` to ``lr * min_lr_frac`` over
-    ``progress`` in [0, 1] (the share of the planned steps or training time that has passed)."""
+    ``progress`` in [0, 1]: the share of the steps (``max_steps``) or of the training time (the budget)
+    after the warmup that has passed."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     frac = min(max(progress, 0.0), 1.0)
@@ -638,10 +639,11 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
                             betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     rng = np.random.default_rng(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
-    step, train_s, schedule_s, evals = 0, 0.0, 0.0, []
+    step, train_s, schedule_s, warm_s, evals = 0, 0.0, 0.0, None, []
     if state is not None:
         opt.load_state_dict(state["optimizer"])
         step, train_s, schedule_s, evals = state["step"], state["train_seconds"], state["schedule_seconds"], state["evals"]
+        warm_s = state["warmup_seconds"]
         rng.bit_generator.state = state["numpy_rng"]
         gen.set_state(state["noise_rng"])
         torch.set_rng_state(state["torch_rng"])
@@ -688,6 +690,7 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
         save_state(state_path(cfg.out), dict(
             cfg=asdict(cfg), spec=asdict(spec), model={k: v.detach().cpu() for k, v in model.state_dict().items()},
             optimizer=opt.state_dict(), step=step, train_seconds=train_s, schedule_seconds=schedule_s,
+            warmup_seconds=warm_s,
             evals=evals, numpy_rng=rng.bit_generator.state, noise_rng=gen.get_state(),
             torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None))
         return time.time() - ts
@@ -722,7 +725,13 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
             stop = "time budget"
             break
         ts = time.time()
-        progress = step / cfg.max_steps if cfg.max_steps else train_s / schedule_s
+        # the cosine runs from the end of the warmup to the last step (or the end of the budget)
+        if step >= cfg.warmup_steps and warm_s is None:
+            warm_s = train_s
+        if cfg.max_steps:
+            progress = (step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
+        else:
+            progress = (train_s - (warm_s or 0.0)) / max(schedule_s - (warm_s or 0.0), 1.0)
         lr = lr_at(cfg, step, progress)
         for g in opt.param_groups:
             g["lr"] = lr
