@@ -404,16 +404,16 @@ def test_gguf_export_onto_a_full_disk_says_so(tmp_path, monkeypatch):
     export now finds and names the reason, and leaves nothing behind."""
     import gguf
 
-    def short_write(self, *args, **kwargs):
-        raise OSError("655360 requested and 485408 written")
-
     real_write = os.write
 
-    def full_disk(fd, data):  # the disk is full from here on
+    def full_disk(fd, data):  # the disk is full from the short write on
         raise OSError(28, os.strerror(28))
 
+    def short_write(self, *args, **kwargs):
+        monkeypatch.setattr(os, "write", full_disk)  # only from here to the end of the export
+        raise OSError("655360 requested and 485408 written")
+
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", short_write)
-    monkeypatch.setattr(os, "write", full_disk)
     dst = tmp_path / "full.gguf"
     try:
         with pytest.raises(writer.WriteError, match=rf"cannot write {dst}: No space left on device"):
