@@ -270,10 +270,12 @@ def _limit_blas_when_loaded(count: int) -> None:
 
 
 def blas_threads() -> list[int]:
-    """Threads of every BLAS library loaded in this process, as threadpoolctl reports them."""
+    """Threads of every BLAS library loaded in this process that ``configure`` sizes (torch's own excepted), as
+    threadpoolctl reports them."""
     from threadpoolctl import threadpool_info
 
-    return [int(info["num_threads"]) for info in threadpool_info() if info.get("user_api") == "blas"]
+    return [int(info["num_threads"]) for info in threadpool_info()
+            if info.get("user_api") == "blas" and not _bundled_by_torch(info.get("filepath"))]
 
 
 def describe() -> dict:

@@ -176,11 +176,12 @@ def test_the_reference_never_runs_blas_on_more_threads_than_free_cores(monkeypat
     assert main([*args, "--backend", "reference"]) == 0
     captured = capsys.readouterr()
     described = json.loads(captured.out)["threads"]
-    assert described["threads"] == 2 and described["reference_blas_threads"] == 1 and described["blas_threads"] == [1]
+    assert described["threads"] == 2 and described["reference_blas_threads"] == 1
+    assert set(described["blas_threads"]) == {1}  # NumPy's, and SciPy's when a test has loaded it
     assert "--threads 2: 1 core free now, so the reference's BLAS runs on 1" in captured.err
     assert main([*args, "--backend", "cpu"]) == 0
     described = json.loads(capsys.readouterr().out)["threads"]
-    assert described["blas_threads"] == [2] and "reference_blas_threads" not in described
+    assert set(described["blas_threads"]) == {2} and "reference_blas_threads" not in described
 
 
 def test_an_in_process_run_leaves_the_environment_alone(capsys):
