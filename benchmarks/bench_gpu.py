@@ -210,7 +210,8 @@ def step_breakdown(label: str, model, prompt: np.ndarray, device, settings=None)
         f"| launch overhead: {per_step:.1f} Python-issued launches per step x empty launch | "
         f"{per_step * empty * 1e3:.3f} |",
         "",
-        f"Counted over a canvas ({steps} steps): {total.d2h} copies back, {total.h2d} copies to the device, "
+        f"Counted over the run (prompt encode, {len(result.steps_per_canvas)} canvas(es), {steps} steps): "
+        f"{total.d2h} copies back, {total.h2d} copies to the device, "
         f"{total.waits} host waits, {total.launches} kernel launches + {total.xp_calls} array-module calls.",
         "",
     ]

@@ -280,14 +280,18 @@ def test_loop_matches_reference_loop_on_identical_logits(device, B, max_new, sta
     kwargs = dict(max_new_tokens=max_new, stability_threshold=stability, confidence_threshold=confidence,
                   eos_token_id=[1], pad_token_id=0, max_denoising_steps=8)
     rec_ref, rec_gpu = Recorder(), Recorder()
-    expected = reference_generate(ref_model, prompt, random=SeededDraws(5), denoiser=lambda c, cache, sc: fake_logits(c),
+    ref_draws, gpu_draws = SeededDraws(5), SeededDraws(5)
+    expected = reference_generate(ref_model, prompt, random=ref_draws, denoiser=lambda c, cache, sc: fake_logits(c),
                                   callback=rec_ref, **kwargs)
-    got = gpu._generate(fast, prompt, None, None, random=SeededDraws(5), cache=None, decoder_input_ids=None,
+    got = gpu._generate(fast, prompt, None, None, random=gpu_draws, cache=None, decoder_input_ids=None,
                         self_conditioning_logits=None, callback=rec_gpu, overrides=kwargs,
-                        logits_hook=lambda c, rows: fake_logits(c))
+                        logits_hook=lambda c, rows: fake_logits(c))  # the canvas loop on the device
     np.testing.assert_array_equal(got.sequences, expected.sequences)
     np.testing.assert_array_equal(got.tokens_per_forward, expected.tokens_per_forward)
     assert got.steps_per_canvas == expected.steps_per_canvas
+    assert [s.finished.tolist() for s in rec_gpu.steps] == [s.finished.tolist() for s in rec_ref.steps]
+    # after early stops, the draw stream is where the reference's is
+    np.testing.assert_array_equal(gpu_draws.renoise_ids(1, 8, 100), ref_draws.renoise_ids(1, 8, 100))
 
 
 @pytest.mark.slow

@@ -19,7 +19,8 @@ and argument checks in ``fast/gpu/launch.py``):
   uniform drawn on the host), then the entropy-bound acceptance and renoising.
 
 Randomness never comes from the device, and self-conditioning keeps one (canvas x vocabulary) buffer per
-sequence: see ``sampling.py``.
+sequence: see ``sampling.py``. Within a canvas the steps run on the device with no host round trip (the loop's
+state, a canvas's draws made ahead, a stop flag read every few steps): see ``canvas.py``.
 
 CuPy is optional: importing this module never imports it. ``Model.from_pretrained(..., device="cuda")``
 raises ``RuntimeError`` naming what is missing (CuPy, a driver, a GPU). The host orchestration is written
