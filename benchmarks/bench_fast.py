@@ -26,7 +26,7 @@ MLP, sampling, encoder).
 rounded to bfloat16, written as a converted directory in a temporary folder) loaded two ways, each in a
 process of its own so that its memory is its own: widened to float32 at load (``keep_bf16=False``) and kept
 bfloat16 (the default): weights held (``Model.weight_nbytes``), resident memory after the load and its peak
-(``ru_maxrss``), load time, generate time (two rounds in alternation, each the median of ``--repeats`` after
+(``VmHWM``, load and generate), load time, generate time (two rounds in alternation, each the median of ``--repeats`` after
 a warm-up), and whether the generated tokens are the same.
 The machine line, thread pools and the git commit are printed first. Weights are random
 (``tests.random_weights.random_tensors``); timings do not depend on their values except through adaptive
@@ -561,17 +561,17 @@ def sampler_ab_line(other_path: str, repeats: int, report, threads: int):
 
 
 # ------------------------------------------------------------------------------------------ bf16 storage
-def _rss_bytes() -> int:
-    """Resident memory of this process now (VmRSS)."""
+def _rss_bytes(field: str = "VmRSS") -> int:
+    """Resident memory of this process now (VmRSS), or its peak (VmHWM: since exec, unlike ``ru_maxrss``,
+    which keeps the parent's peak across fork and exec)."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
 def bf16_child(name: str, path: str, keep: bool, repeats: int, threads: int) -> None:
     """One side of ``--bf16``: load ``path`` (widened or kept bfloat16), time generate, print one JSON line."""
     import hashlib
     import json
-    import resource
 
     setup = SETUPS[name]
     start = time.perf_counter()
@@ -588,7 +588,7 @@ def bf16_child(name: str, path: str, keep: bool, repeats: int, threads: int) -> 
             times.append(time.perf_counter() - start)
     kinds = sorted({w.experts.kind for w in model.layers})
     print("BF16CHILD " + json.dumps({
-        "weights": model.weight_nbytes, "rss": rss, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "weights": model.weight_nbytes, "rss": rss, "peak": _rss_bytes("VmHWM"),
         "load": load, "generate": statistics.median(times), "experts": kinds,
         "qkv": str(model.layers[0].qkv.dtype), "tokens": hashlib.sha256(result.sequences.tobytes()).hexdigest()[:16]}),
         flush=True)
