@@ -6,7 +6,8 @@ times the command a new user runs first::
 
     diffusiongemma generate "And God said" -m DIR --backend B --seed S -n 256 --ignore-eos --json
 
-for each backend (``reference``, the default, and ``cpu``, the compiled fast path). A random model is the
+for each backend (``cpu``, the compiled fast path that the default ``--backend auto`` picks on a CPU, and
+``reference``, the NumPy specification). A random model is the
 worst case: its predictions are nearly uniform, so no position is accepted early and every canvas runs
 all its denoising steps (16 per 32-token canvas at the shipped settings); ``--ignore-eos`` makes every run
 write all 256 tokens. Each backend runs ``--repeats`` times; the table reports the median and the fastest

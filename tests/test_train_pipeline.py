@@ -161,11 +161,16 @@ def test_bf16_storage_loads_everywhere(data_dir, tmp_path):
     assert torch.equal(hf.lm_head.weight, state["lm_head.weight"].to(torch.bfloat16).float())
     assert not torch.equal(hf.lm_head.weight, state["lm_head.weight"])  # it was rounded
     load_checkpoint(str(tmp_path / "m"))  # the project's loader widens bf16
-    proc = subprocess.run([sys.executable, "-m", "diffusiongemma", "generate", "And God said", "-m",
-                           str(tmp_path / "m"), "--seed", "0", "-n", "16", "--json"],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["canvases"] >= 1
+    ids = []
+    for backend in ("reference", "cpu"):  # the NumPy specification and the compiled path (auto's pick)
+        proc = subprocess.run([sys.executable, "-m", "diffusiongemma", "generate", "And God said", "-m",
+                               str(tmp_path / "m"), "--seed", "0", "-n", "16", "--json", "--backend", backend],
+                              capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        d = json.loads(proc.stdout)
+        assert d["canvases"] >= 1 and d["backend"] == backend
+        ids.append(d["token_ids"])
+    assert ids[0] == ids[1]
 
 
 def test_pipeline_end_to_end(data_dir, tmp_path):
