@@ -137,3 +137,14 @@ def test_the_readmes_shipped_model_examples_run_from_any_folder(tmp_path, marker
     assert any(line.startswith(expected) and len(line.strip()) > len(expected)  # the generated text
                for line in proc.stdout.splitlines()), proc.stdout
     assert "tokens in" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_converters_own_command_has_one_line_errors_too(capsys):
+    from diffusiongemma.weights_converter.cli import main as convert_main
+
+    with pytest.raises(SystemExit) as info:
+        convert_main(["src", "dst", "--gguf-type", "q4"])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["diffusiongemma-convert: error: argument --gguf-type: invalid choice: 'q4' (choose from "
+                     "'f32', 'f16', 'q8_0')", "(diffusiongemma-convert --help lists the options)"]

@@ -39,13 +39,20 @@ def accept_negative_sizes(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line naming it and a hint, without argparse's usage block (as ``diffusiongemma``)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
     from diffusiongemma.reference.support.checkpoint_io import STORAGE_DTYPES
 
     from .summary import DEFAULT_SHARD_SIZE
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="diffusiongemma-convert",
         description="Convert a transformers DiffusionGemma checkpoint directory (config.json + "
                     "safetensors), or a llama.cpp GGUF file (architecture diffusion-gemma, any type the gguf "
