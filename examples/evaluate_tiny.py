@@ -386,13 +386,15 @@ def evaluate(path: str, data: Path, args, device: str = "cpu", say=print, deadli
     all_ = samples + runs
     steps = [n for s in all_ for n in s["steps"]]
     res.update(samples=samples, default_runs=runs, cut_short=cut, planned_canvases=-(-args.max_new_tokens // C),
-               mean_tokens_per_forward=float(np.mean([s["tokens_per_forward"] for s in all_])) if all_ else float("nan"),
+               mean_tokens_per_forward=float(np.mean([s["tokens_per_forward"] for s in all_]))
+               if all_ else float("nan"),
                mean_steps_per_canvas=float(np.mean(steps)) if steps else float("nan"),
                mean_canvases=float(np.mean([s["canvases"] for s in runs])) if runs else float("nan"),
                eos_runs=sum(r["eos"] for r in runs),
                **word_measures([s["text"] for s in all_], words, bigrams))
     say(f"\nmean tokens per forward      {res['mean_tokens_per_forward']:.3f}")
-    say(f"mean steps per canvas        {res['mean_steps_per_canvas']:.2f} (of {model.generation_config.max_denoising_steps})")
+    say(f"mean steps per canvas        {res['mean_steps_per_canvas']:.2f} "
+        f"(of {model.generation_config.max_denoising_steps})")
     say(f"real corpus words            {res['real_word_share']:.3f} of {res['generated_words']} generated words")
     say(f"corpus word bigrams          {res['bigram_share']:.3f} of {res['generated_bigrams']} generated bigrams")
     say(f"'{DEFAULT_PROMPT}', seeds 0..{args.seeds - 1}: canvases {[r['canvases'] for r in runs]} of "
@@ -429,8 +431,10 @@ def markdown(results: list, data: Path, args, chars: int = 240) -> str:
                 != r["verses_in_context"]["verses"] else ""))
         row("held-out running text: encoder AR CE", lambda r: _f(r["running"]["ar"]))
         row("unigram baseline CE (token frequencies)", lambda r: _f(r["unigram_entropy"]))
-    row("generated word bigrams found in the corpus", lambda r: f"{_f(r['bigram_share'])} (of {r['generated_bigrams']})")
-    row("generated words that are corpus words", lambda r: f"{_f(r['real_word_share'])} (of {r['generated_words']})")
+    row("generated word bigrams found in the corpus",
+        lambda r: f"{_f(r['bigram_share'])} (of {r['generated_bigrams']})")
+    row("generated words that are corpus words",
+        lambda r: f"{_f(r['real_word_share'])} (of {r['generated_words']})")
     row(f"`{DEFAULT_PROMPT}`, seeds 0-{args.seeds - 1}: canvases filled per run",
         lambda r: " ".join(str(x["canvases"]) for x in r["default_runs"]) + f" (of {r['planned_canvases']})")
     row("mean canvases per run", lambda r: _f(r["mean_canvases"], 2))
@@ -479,7 +483,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--markdown", default="", help="also write the comparison table and samples here")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--minutes", type=float, default=0.0,
-                    help="budget (0: none): no sample starts that would end past it; the measures use those written")
+                    help="budget (0: none): no sample starts that would end past it; "
+                         "the measures use those written")
     ap.add_argument("--baseline-json", default="",
                     help="take the baseline's measures from this --json file of an earlier run, not --baseline")
     args = ap.parse_args(argv)

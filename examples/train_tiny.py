@@ -263,7 +263,8 @@ def decoder_masks(context_len: torch.Tensor, valid: torch.Tensor, canvas: int, w
     out = {}
     for name, keep in ((FULL, full), (SLIDING, slide)):
         keep = torch.cat([keep, torch.ones(B, canvas, dtype=torch.bool, device=dev)], dim=1)  # (B, S + C)
-        m = torch.where(keep, torch.tensor(0.0, dtype=dtype, device=dev), torch.tensor(neg, dtype=dtype, device=dev))
+        zero, hidden = torch.tensor(0.0, dtype=dtype, device=dev), torch.tensor(neg, dtype=dtype, device=dev)
+        m = torch.where(keep, zero, hidden)
         out[name] = m[:, None, None, :].expand(B, 1, canvas, S + canvas)
     return out
 
@@ -558,10 +559,11 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
     ``state_path``). ``spec`` None: ``cfg.preset`` with the tokenizer's vocabulary. ``t0`` is when the
     budget started (default: now). Returns a summary dict (steps, minutes, last losses, stop reason).
 
-    With ``resume``, the run's saved settings are used except the budget, session limit, device, log,
-    output folder and evaluation/save cadence given now; the model, optimizer, step, learning-rate
-    schedule, data sampler and noise generator continue where the state left them, so on one device an
-    interrupted run gives the same weights as an uninterrupted one."""
+    With ``resume``, the run's saved settings are used except the budget, session limit, device, data
+    folder (the same files, perhaps elsewhere), log, output folder and evaluation/save cadence given now;
+    the model, optimizer, step, learning-rate schedule, data sampler and noise generator continue where
+    the state left them, so on one device an interrupted run gives the same weights as an uninterrupted
+    one."""
     from tokenizers import Tokenizer
 
     t0 = time.time() if t0 is None else t0
@@ -570,8 +572,8 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
     if cfg.resume:
         state = torch.load(resume_file(cfg.resume), map_location="cpu", weights_only=False)
         saved = dict(state["cfg"])
-        for k in ("minutes", "session_steps", "device", "amp", "log", "out", "resume", "save_every_minutes",
-                  "eval_every", "eval_every_minutes", "log_every", "threads", "max_steps"):
+        for k in ("minutes", "session_steps", "device", "amp", "data_dir", "log", "out", "resume",
+                  "save_every_minutes", "eval_every", "eval_every_minutes", "log_every", "threads", "max_steps"):
             saved[k] = getattr(cfg, k)
         cfg = TrainConfig(**saved)
         spec = ModelSpec(**state["spec"])
@@ -642,8 +644,8 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
     step, train_s, schedule_s, warm_s, evals = 0, 0.0, 0.0, None, []
     if state is not None:
         opt.load_state_dict(state["optimizer"])
-        step, train_s, schedule_s, evals = state["step"], state["train_seconds"], state["schedule_seconds"], state["evals"]
-        warm_s = state["warmup_seconds"]
+        step, train_s, evals = state["step"], state["train_seconds"], state["evals"]
+        schedule_s, warm_s = state["schedule_seconds"], state["warmup_seconds"]
         rng.bit_generator.state = state["numpy_rng"]
         gen.set_state(state["noise_rng"])
         torch.set_rng_state(state["torch_rng"])
@@ -695,9 +697,10 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
             torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None))
         return time.time() - ts
 
+    gpu_name = f" ({torch.cuda.get_device_name(device)})" if cuda else ""
     say(f"# {'resume' if state is not None else 'start'} {time.strftime('%Y-%m-%d %H:%M:%S')} device {device}"
-        f"{' (' + torch.cuda.get_device_name(device) + ')' if cuda else ''}{', bf16 autocast' if amp else ''}, budget "
-        f"{cfg.minutes:g} min, {budget.left() / 60:.2f} left after loading")
+        f"{gpu_name}{', bf16 autocast' if amp else ''}, budget {cfg.minutes:g} min, "
+        f"{budget.left() / 60:.2f} left after loading")
     say(f"# config {json.dumps(asdict(cfg))}")
     say(f"# model {json.dumps(asdict(spec))} text params {n_params}")
     ev, eval_s = evaluate()
