@@ -36,6 +36,10 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
                         help="seed of the inputs and of the peer's random stream, in [0, 2**64)")
     parser.add_argument("--canvases", type=positive_int, default=2, help="canvases generated per sampler configuration")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="float32 (default), or bfloat16 (transformers only): the peer loaded with "
+                             "dtype=torch.bfloat16 against the reference's bfloat16 run, with tolerances from that "
+                             "run's own error (docs/SPEC.md §10)")
     from .llama_cpp_peer import add_arguments as add_llama_cpp_arguments  # llama.cpp: an external binary
 
     add_llama_cpp_arguments(parser)
@@ -43,6 +47,10 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
 
 
 def run(args) -> int:
+    if args.dtype != "float32" and args.peer != "transformers":
+        print(f"diffusiongemma crosscheck: error: --dtype {args.dtype} is defined for the transformers peer only "
+              f"(not {args.peer})", file=sys.stderr)
+        return 2
     if args.peer == "llama.cpp":
         from .llama_cpp_peer import run as run_llama_cpp
 
@@ -53,7 +61,7 @@ def run(args) -> int:
         print("diffusiongemma crosscheck: error: --canvases must be >= 1", file=sys.stderr)
         return 2
     try:
-        report = crosscheck(args.peer, args.model, seed=args.seed, canvases=args.canvases)
+        report = crosscheck(args.peer, args.model, seed=args.seed, canvases=args.canvases, dtype=args.dtype)
     except PeerUnavailable as exc:
         print(f"diffusiongemma crosscheck: error: {exc}", file=sys.stderr)
         return 2

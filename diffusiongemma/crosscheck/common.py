@@ -17,6 +17,19 @@ whose kernels round differently), with a floor of 1e-6 x max(1, max|logit|). The
 teacher-forced step, every decoder layer and the encoder cache (``teacher_forced``), there with a ceiling of
 2e-3 x max(1, max|x|).
 
+bfloat16 (``crosscheck(..., dtype="bfloat16")``, SPEC §10): the reference runs upstream's bfloat16 run and the
+peer is expected to be one too. Two correct bfloat16 runs make the same roundings almost everywhere (they
+part only where a float32 sum in another order lands on the other side of a bfloat16 rounding point), while
+a misplaced or missing rounding changes every value it touches by up to half a bfloat16 ulp. The tolerance
+of a tensor is therefore ``BF16_FACTOR`` (1/3) x the bfloat16 run's own error on it (the reference's
+bfloat16 run against its float64 run on the same weights), with a floor of one bfloat16 ulp (2**-8) x
+max(1, max|x|) and no ceiling. The forward check is teacher-forced in bfloat16 (our self-conditioning input
+is the peer's prefill / T and we commit the peer's argmax), and it decides together with the encoder caches
+and the sampler check; the logits of the generation's decoder calls are information only: later denoising
+steps feed peaked self-conditioning back, and there one flipped rounding of a correct peer can grow past the
+tolerance (measured on the tiny model: up to 4 x on one call of 12; a misplaced rounding moves the forward
+rows to 1.3-5.5 x and the caches beyond it).
+
 Generation (``PeerRun``: the peer's decoder calls with their exact inputs, the ids it encoded, its cache,
 its random draws):
 
@@ -49,9 +62,21 @@ STAGES = ("forward input", "forward layer", "forward", "cache/context", "self-co
           "renoise", "stopping", "commit", "EOS", "length", "draws")
 
 TOLERANCE_FACTOR = 16.0
+BF16_FACTOR = 1.0 / 3.0  # bfloat16 runs: the tolerance is this share of the reference's own bfloat16 error
+BF16_ULP = 2.0 ** -8  # bfloat16's relative spacing at 1: the floor of a bfloat16 tolerance, x max(1, max|x|)
 CEILING = 2e-3  # teacher-forced steps and caches: the tolerance never exceeds 2e-3 x max(1, max|x|)
 TOLERANCE_NOTE = ("16 x the reference's own float32 error on that tensor (measured against a float64 run of "
                   "the reference on the same inputs), floor 1e-6 x max(1, max|logit|)")
+BF16_TOLERANCE_NOTE = ("bfloat16 run (SPEC §10): 1/3 x the reference's own bfloat16 error on that tensor (its "
+                       "bfloat16 run against a float64 run on the same weights and inputs), floor one bfloat16 "
+                       "ulp (2**-8) x max(1, max|logit|)")
+
+
+def is_bfloat16(model: Any) -> bool:
+    """True when ``model`` is the reference's bfloat16 run (``Model(..., dtype="bfloat16")``)."""
+    from diffusiongemma.reference.primitives import BFLOAT16
+
+    return getattr(model, "dtype", None) == BFLOAT16
 
 
 class PeerUnavailable(RuntimeError):
@@ -123,15 +148,20 @@ def committed_for_check(with_sc: np.ndarray, image_token_id: int | None, probe: 
     return tokens
 
 
-def run_forward(x: ForwardInputs, new_cache: Callable, encode: Callable, denoise: Callable) -> dict[str, np.ndarray]:
+def run_forward(x: ForwardInputs, new_cache: Callable, encode: Callable, denoise: Callable,
+                teacher: dict | None = None) -> dict[str, np.ndarray]:
     """The check's tensors for one implementation given as three callables: ``new_cache() -> cache``,
-    ``encode(cache, ids) -> cache`` and ``denoise(cache, canvas, sc_logits or None) -> (1, C, V)``."""
+    ``encode(cache, ids) -> cache`` and ``denoise(cache, canvas, sc_logits or None) -> (1, C, V)``.
+    teacher: another run's tensors (the peer's), whose "prefill" gives the self-conditioning input and whose
+    "self-conditioning" argmax is committed (teacher forcing; default: this run's own)."""
     out = {}
     for probe in ((False, True) if x.image_token_id is not None else (False,)):
         cache = encode(new_cache(), x.prompt)
         prefill = np.asarray(denoise(cache, x.canvas, None))
-        with_sc = np.asarray(denoise(cache, x.canvas, (prefill / np.float32(x.temperature)).astype(np.float32)))
-        cache = encode(cache, committed_for_check(with_sc, x.image_token_id, probe))
+        source = prefill if teacher is None else np.asarray(teacher["prefill"], dtype=np.float32)
+        with_sc = np.asarray(denoise(cache, x.canvas, (source / np.float32(x.temperature)).astype(np.float32)))
+        commit = with_sc if teacher is None else np.asarray(teacher["self-conditioning"])
+        cache = encode(cache, committed_for_check(commit, x.image_token_id, probe))
         after = np.asarray(denoise(cache, x.canvas2, None))
         if probe:
             out["image id in context"] = after
@@ -140,13 +170,14 @@ def run_forward(x: ForwardInputs, new_cache: Callable, encode: Callable, denoise
     return out
 
 
-def reference_forward(model: Any, x: ForwardInputs) -> dict[str, np.ndarray]:
+def reference_forward(model: Any, x: ForwardInputs, teacher: dict | None = None) -> dict[str, np.ndarray]:
     """The reference's logits tensors for ``x`` (see the module notes): {name: (1, C, V)}."""
     def encode(cache, ids):
         model.encode(ids, cache)
         return cache
 
-    return run_forward(x, lambda: model.new_cache(1), encode, lambda cache, c, sc: model.denoise(c, cache, sc))
+    return run_forward(x, lambda: model.new_cache(1), encode, lambda cache, c, sc: model.denoise(c, cache, sc),
+                       teacher)
 
 
 def float64_twin(model: Any) -> Any:
@@ -158,35 +189,46 @@ def float64_twin(model: Any) -> Any:
         twin = copy.copy(model)
         twin.tensors = {k: np.asarray(v, dtype=np.float64) for k, v in model.tensors.items()}
         twin.layers = [{k: np.asarray(v, dtype=np.float64) for k, v in layer.items()} for layer in model.layers]
+        if hasattr(model, "dtype"):  # a bfloat16 model's twin: the same (rounded) weights, computed without rounding
+            twin.dtype = np.dtype(np.float64)
         return twin
     except AttributeError:
         return None
 
 
-def tolerances(model: Any, x: ForwardInputs, ours: dict[str, np.ndarray]) -> tuple[dict[str, float], str]:
-    """Per-tensor tolerance {name: float} and the sentence that justifies it."""
+def tolerances(model: Any, x: ForwardInputs, ours: dict[str, np.ndarray],
+               teacher: dict | None = None) -> tuple[dict[str, float], str]:
+    """Per-tensor tolerance {name: float} and the sentence that justifies it. teacher: the tensors ``ours``
+    was teacher-forced with (``reference_forward``), None for none."""
     twin = float64_twin(model)
     exact = None
     if twin is not None:
         try:
-            exact = _reference_forward_like(twin, x, ours)
+            exact = _reference_forward_like(twin, x, ours, is_bfloat16(model), teacher)
         except Exception:  # a model that cannot run in float64: fall back below
             exact = None
-    out = {}
+    out, bf16 = {}, is_bfloat16(model)
     for name, logits in ours.items():
         floor = 1e-6 * max(1.0, float(np.max(np.abs(logits))))
-        if exact is None:
+        if bf16:
+            out[name] = _bound(logits, None if exact is None else exact[name], bf16=True)
+        elif exact is None:
             out[name] = 1e-4 * max(1.0, float(np.max(np.abs(logits))))
         else:
             error = float(np.max(np.abs(logits.astype(np.float64) - exact[name])))
             out[name] = max(TOLERANCE_FACTOR * error, floor)
     note = TOLERANCE_NOTE if exact is not None else "1e-4 x max(1, max|logit|) (no float64 run was possible)"
-    return out, note
+    return out, (BF16_TOLERANCE_NOTE if bf16 else note)
 
 
-def _reference_forward_like(twin: Any, x: ForwardInputs, ours: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _reference_forward_like(twin: Any, x: ForwardInputs, ours: dict[str, np.ndarray],
+                            bf16: bool = False, teacher: dict | None = None) -> dict[str, np.ndarray]:
     """The float64 twin on the same inputs. Its own argmax commits are used; where they differ from the
     float32 run's (a near tie) the row's error is not meaningful, so such runs fall back (None)."""
+    if bf16:  # bfloat16 and float64 part on near ties: the twin commits our tokens
+        exact = reference_forward(twin, x, teacher if teacher is not None else
+                                  {"prefill": ours["prefill"], "self-conditioning": ours["self-conditioning"]})
+        return {k: np.asarray(v, dtype=np.float64) for k, v in exact.items()}
     exact = reference_forward(twin, x)
     for name in ("self-conditioning",):
         z64, z32 = exact[name].copy(), ours[name].copy()
@@ -332,13 +374,17 @@ class _LayerRecorder:
         return lambda *args, **kwargs: None
 
 
-def _bound(ours: np.ndarray, exact: np.ndarray | None) -> float:
+def _bound(ours: np.ndarray, exact: np.ndarray | None, bf16: bool = False) -> float:
     """The tolerance of one tensor: 16 x our float32 error against float64, floor 1e-6 x max(1, max|x|),
-    ceiling ``CEILING`` x max(1, max|x|) (a float32 error larger than that is no rounding to excuse)."""
+    ceiling ``CEILING`` x max(1, max|x|) (a float32 error larger than that is no rounding to excuse).
+    bf16: our bfloat16 run's tensor; ``BF16_FACTOR`` x its error against float64, floor ``BF16_ULP`` x
+    max(1, max|x|), no ceiling (module notes)."""
     scale = max(1.0, float(np.max(np.abs(ours))) if ours.size else 1.0)
     if exact is None:
-        return 1e-4 * scale
+        return (BF16_FACTOR if bf16 else 1e-4) * scale
     error = float(np.max(np.abs(ours.astype(np.float64) - exact))) if ours.size else 0.0
+    if bf16:
+        return max(BF16_FACTOR * error, BF16_ULP * scale)
     return min(max(TOLERANCE_FACTOR * error, 1e-6 * scale), CEILING * scale)
 
 
@@ -391,7 +437,7 @@ def teacher_forced(model: Any, run: PeerRun, prompt: np.ndarray, peer_layers: Ca
             encoded += 1
         if k in run.caches:
             summary["caches_compared"] += 1
-            found = _compare_cache(ours, exact, run.caches[k], k)
+            found = _compare_cache(ours, exact, run.caches[k], k, is_bfloat16(model))
             if found is not None:
                 return summary, found
         for call in calls:
@@ -400,13 +446,16 @@ def teacher_forced(model: Any, run: PeerRun, prompt: np.ndarray, peer_layers: Ca
                 continue
             mine = np.asarray(model.denoise(call.ids, ours, call.sc), dtype=np.float32)
             ref64 = None if exact is None else np.asarray(twin.denoise(call.ids, exact, call.sc), dtype=np.float64)
-            bound = _bound(mine, ref64)
+            bound = _bound(mine, ref64, is_bfloat16(model))
             diff = np.asarray(call.logits, dtype=np.float64) - mine
             worst = float(np.max(np.abs(diff)))
             summary["calls"] += 1
             summary["max_abs_diff"] = max(summary["max_abs_diff"], worst)
             if worst / bound > summary["worst_ratio"]:
                 summary["worst_ratio"], summary["worst_at"] = worst / bound, [k, call.step]
+            if worst > bound and is_bfloat16(model):  # information only in bfloat16 (module notes)
+                summary.setdefault("bf16_beyond", []).append([k, call.step, round(worst / bound, 2)])
+                continue
             if worst > bound:
                 pos = _first_beyond(diff, bound)
                 where = _localise(model, twin, ours, exact, call, contexts[:k + 1], peer_layers)
@@ -425,7 +474,7 @@ def teacher_forced(model: Any, run: PeerRun, prompt: np.ndarray, peer_layers: Ca
     return summary, None
 
 
-def _compare_cache(ours: Any, exact: Any, theirs: list, k: int) -> Divergence | None:
+def _compare_cache(ours: Any, exact: Any, theirs: list, k: int, bf16: bool = False) -> Divergence | None:
     """The peer's encoder cache before canvas k against ours (built from the same ids)."""
     for l, (pk, pv) in enumerate(theirs):
         for what, mine, peer, ref in (("keys", ours.keys[l], pk, None if exact is None else exact.keys[l]),
@@ -440,7 +489,7 @@ def _compare_cache(ours: Any, exact: Any, theirs: list, k: int) -> Divergence | 
                 continue
             a, b = mine[:, :, -T:], peer[:, :, -T:]
             r = None if ref is None else np.asarray(ref, dtype=np.float64)[:, :, -T:]
-            bound = _bound(a, r)
+            bound = _bound(a, r, bf16)
             diff = b - a
             worst = float(np.max(np.abs(diff)))
             if worst > bound:
@@ -467,7 +516,7 @@ def _localise(model, twin, ours, exact, call: Call, contexts: list, peer_layers:
         twin.denoise(call.ids, exact, call.sc, observer=ref)
     for i, (a, b) in enumerate(zip(mine.out, theirs)):
         r = ref.out[i] if i < len(ref.out) else None
-        bound = _bound(a.astype(np.float32), r)
+        bound = _bound(a.astype(np.float32), r, is_bfloat16(model))
         worst = float(np.max(np.abs(np.asarray(b, dtype=np.float64) - a)))
         if worst > bound:
             if i == 0:
@@ -488,8 +537,9 @@ class _PeerLogits:
     """A denoiser that hands our loop the peer's logits, call by call, and checks every input our loop
     produced (canvas, self-conditioning input) and every decision it reports (steps, commits)."""
 
-    def __init__(self, run: PeerRun, variant: Any, bound: float, eos_ids, pad_id):
+    def __init__(self, run: PeerRun, variant: Any, bound: float, eos_ids, pad_id, dtype: Any = None):
         self.run, self.variant, self.bound, self.eos, self.pad = run, variant, bound, set(eos_ids), pad_id
+        self.dtype = dtype  # the model's dtype: a bfloat16 peer's generate casts its SC input to it
         self.k, self.s = 0, 0
         self.last_step = None  # our StepInfo of the previous step
         self.found: Divergence | None = None
@@ -529,7 +579,9 @@ class _PeerLogits:
                                   f"self-conditioning input, the peer {'none' if call.sc is None else 'one'}", {}))
         if sc is None:
             return
-        sc = np.asarray(sc, dtype=np.float64)
+        from diffusiongemma.reference.primitives import round_to
+
+        sc = np.asarray(round_to(sc, self.dtype), dtype=np.float64)  # as upstream's generate casts it
         if sc.shape != call.sc.shape:
             self._stop(Divergence("self-conditioning input", self.k, self.s, 0, -1, -1,
                                   f"at {where} our self-conditioning input has shape {sc.shape}, the peer's "
@@ -630,7 +682,8 @@ def sampler_check(model: Any, prompt: np.ndarray, settings: Any, variant: Any, r
     from diffusiongemma.reference import ReplayDraws, generate
 
     eos = list(settings.eos_token_id or ())
-    peer = _PeerLogits(run, variant, float(settings.entropy_bound), eos, settings.pad_token_id)
+    peer = _PeerLogits(run, variant, float(settings.entropy_bound), eos, settings.pad_token_id,
+                       getattr(model, "dtype", None))
     summary = {"steps": 0, "canvases": 0, "ties": peer.ties}
     try:
         result = generate(model, prompt, generation_config=settings, semantics=variant, random=ReplayDraws(run.tape),

@@ -45,11 +45,14 @@ def hf_encode(model, cache, ids: np.ndarray, full_mask: np.ndarray | None = None
 def hf_denoise(model, cache, canvas: np.ndarray, sc: np.ndarray | None = None,
                full_mask: np.ndarray | None = None) -> np.ndarray:
     """Soft-capped float32 logits (B, C, V) of one decoder pass over ``canvas`` at positions L .. L + C - 1,
-    with self-conditioning input ``sc`` (B, C, V) or None; ``full_mask`` (B, L + C): the decoder mask."""
+    with self-conditioning input ``sc`` (B, C, V) or None; ``full_mask`` (B, L + C): the decoder mask.
+    ``sc`` is cast to the embedding dtype first, as ``generate`` does (``processed_logits.to(embeddings_dtype)``:
+    a no-op in float32, bfloat16 logits for a bfloat16 model)."""
     import torch
 
     L, C = cache.get_seq_length(), canvas.shape[1]
-    extra = {} if sc is None else {"self_conditioning_logits": torch.tensor(sc)}
+    embeddings_dtype = model.model.decoder.embed_tokens.weight.dtype
+    extra = {} if sc is None else {"self_conditioning_logits": torch.tensor(sc).to(embeddings_dtype)}
     if full_mask is not None:
         extra["decoder_attention_mask"] = torch.tensor(full_mask, dtype=torch.long)
     with torch.no_grad():
@@ -76,17 +79,23 @@ class Peer:
     name = NAME
     semantics = SEMANTICS
 
-    def __init__(self, model_dir: str, workdir: str):
+    def __init__(self, model_dir: str, workdir: str, dtype: str = "float32"):
+        """dtype: "float32" (the reference's default run) or "bfloat16" (upstream's bfloat16 run, SPEC §10)."""
         version()
         import torch
         from transformers import DiffusionGemmaForBlockDiffusion
 
+        if dtype not in ("float32", "bfloat16"):
+            raise PeerUnavailable(f"transformers is cross-checked in float32 or bfloat16, not {dtype!r}")
         try:
             self.model = DiffusionGemmaForBlockDiffusion.from_pretrained(
-                model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+                model_dir, dtype=getattr(torch, dtype), attn_implementation="eager").eval()
         except Exception as exc:  # transformers raises many kinds on a bad directory
             raise PeerUnavailable(f"transformers cannot load {model_dir!r}: {exc}") from None
-        self.adaptations: list[str] = ["loaded in float32 with eager attention (the reference computes in float32)"]
+        self.adaptations: list[str] = [
+            "loaded in float32 with eager attention (the reference computes in float32)" if dtype == "float32" else
+            "loaded in bfloat16 with eager attention (dtype=torch.bfloat16, eager_attention_forward: the run the "
+            "reference's bfloat16 run reproduces, SPEC §10)"]
         self.defects: list[str] = []
 
     # -------------------------------------------------------------------------------------- forward
