@@ -91,7 +91,7 @@ def test_a_misplaced_rounding_in_the_peer_differs_with_the_stage_named(mutation,
     assert report.exit_code == 1 and "result: DIFFER" in text, text
     assert any(not row.ok for row in report.forward if not row.probe), text
     worst = max(row.max_abs_diff / row.tolerance for row in report.forward if not row.probe)
-    assert worst > 1.5, text  # measured 2.9-5.5 on seeds 0-3; the correct peer stays below 0.9
+    assert worst > 1.5, text  # measured 2.7-5.5 on seeds 0-3; the correct peer stays below 0.9
     stages = [d.stage for d in (row.divergence for row in report.generation) if d is not None]
     assert stages and all(s == "cache/context" for s in stages), text  # the encoder's cache already differs
     assert "DIFFER at stage cache/context" in text and "layer" in text

@@ -39,7 +39,7 @@ import numpy as np
 
 from . import variants
 from .common import (CallRecorder, PeerUnavailable, float64_twin, forward_inputs, forward_rows, free_run,
-                     reference_forward, sampler_check, teacher_forced, tolerances)
+                     is_bfloat16, reference_forward, sampler_check, teacher_forced, tolerances)
 from .report import Divergence, ForwardRow, GenerationRow, Report
 
 __all__ = ["crosscheck", "PEERS", "PeerUnavailable", "Report", "ForwardRow", "GenerationRow", "Divergence",
@@ -148,6 +148,11 @@ def compare_generation(model: Any, prompt: np.ndarray, settings: Any, semantics:
         replay = None
     except Exception as exc:  # our free run took another path, and the peer's draws no longer fit it
         replay = str(exc)
+    if is_bfloat16(model):  # a bfloat16 peer records its SC input as its generate casts it; so do we
+        from diffusiongemma.reference.primitives import round_to
+
+        for call in calls:
+            call.sc = None if call.sc is None else round_to(call.sc, model.dtype)
     row.free_run = free_run(run, calls, row.our_tokens, int(model.config.canvas_length))
     if replay is not None:
         row.free_run["replay"] = f"our free run stopped: the peer's draws no longer fit its path ({replay})"
@@ -159,7 +164,8 @@ def compare_generation(model: Any, prompt: np.ndarray, settings: Any, semantics:
             "the free run parted from the peer's"
             + (f" at canvas {parted['canvas']} step {parted['step']}" if parted.get("canvas", -1) >= 0 else "")
             + ", while every decoder call on the peer's inputs and every sampler decision on its logits agreed: "
-            "float32 rounding amplified through the self-conditioning feedback"
+            + ("bfloat16" if is_bfloat16(model) else "float32") + " rounding amplified through the "
+            "self-conditioning feedback"
             + (f" (the inputs first drifted at canvas {drift['canvas']} step {drift['step']}, "
                f"{drift['input']} max |d| {drift['max_abs_diff']:.1e})" if drift else ""))
     return row

@@ -1,0 +1,119 @@
+"""How closely the reference's bfloat16 run (docs/SPEC.md §10.1) reproduces transformers 5.24.0 loaded with
+``dtype=torch.bfloat16`` (eager attention, CPU): the numbers behind benchmarks/RESULTS_bf16.md.
+
+    python benchmarks/bf16_parity.py [--seeds 6] [--free-seeds 10]
+
+1. Teacher-forced calls (``tests/test_bf16_reference.py``'s five tiny configs and calls): per call the ratio
+   max|ours - transformers bf16| / max|transformers bf16 - transformers fp32|, with our router on torch's
+   CPU tie order; each call above 1/8 is run again with transformers' expert choices replayed.
+2. Free runs with transformers' draws replayed (``crosscheck``'s recorder) on the bfloat16 cross-check
+   model and on a contractive one (self-conditioning output x 1e-3): the share of seeds whose tokens agree,
+   for our bfloat16 and float32 runs, and for each departure the first decoder call whose inputs were the
+   same on both sides but whose logits differ (where the rounding flipped) and its size.
+Prints a report; nothing is written. A few minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import machine_facts  # noqa: E402
+from tests.test_bf16_reference import CONFIGS, ratio, teacher_forced_ratios  # noqa: E402
+
+
+def teacher_forced(seeds: int, tmp: str) -> None:
+    print("1. teacher-forced calls: max|ours - hf bf16| / max|hf bf16 - hf fp32| per call")
+    everything = []
+    for name, spec in CONFIGS.items():
+        rows = [(seed,) + r for seed in range(seeds) for r in teacher_forced_ratios(spec, seed, os.path.join(tmp, f"{name}{seed}"))]
+        ratios = np.array([ratio(r[1:]) for r in rows])
+        everything += list(ratios)
+        line = (f"  {name:32s} calls {len(ratios):3d}  median {np.median(ratios):.1e}  <=1/8 {np.mean(ratios <= 1 / 8):5.1%}"
+                f"  max {ratios.max():.3f}")
+        above = [(r[0], r[1]) for r, q in zip(rows, ratios) if q > 1 / 8]
+        for seed in sorted({s for s, _ in above}):
+            again = teacher_forced_ratios(spec, seed, os.path.join(tmp, f"{name}r{seed}"), replay=True)
+            calls = [c for s, c in above if s == seed]
+            line += "; seed %d %s -> %s with transformers' expert choices" % (
+                seed, "/".join(calls), "/".join(f"{ratio(r):.3f}" for r in again if r[0] in calls))
+        print(line)
+    everything = np.array(everything)
+    print(f"  all: {everything.size} calls, bit-identical or float32-tanh-close (ratio < 1e-5) {np.mean(everything < 1e-5):.1%}, "
+          f"<= 1/8 {np.mean(everything <= 1 / 8):.1%}, max {everything.max():.3f}")
+
+
+def free_runs(seeds: int, tmp: str) -> None:
+    import torch
+
+    from diffusiongemma.crosscheck import _run_ours, _settings, transformers_peer, variants
+    from diffusiongemma.crosscheck.common import forward_inputs
+    from diffusiongemma.crosscheck.tiny import BF16_SPEC, GENERATION_CONFIG
+    from diffusiongemma.reference import Model
+    from diffusiongemma.reference.primitives import round_to
+    from diffusiongemma.reference.variants.router import torch_cpu_top_k
+    from diffusiongemma.tiny import tiny_model, write_checkpoint
+
+    print("2. free runs, transformers bf16 generate with its draws replayed into our loop")
+    for label, gain in (("cross-check bf16 model", 1.0), ("contractive (self-conditioning x 1e-3)", 1e-3)):
+        model = tiny_model(BF16_SPEC, 0, self_conditioning_gain=gain)
+        with torch.no_grad():
+            for _, p in model.named_parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        path = write_checkpoint(os.path.join(tmp, f"free{gain}"), BF16_SPEC, 0, model=model,
+                                generation_config=GENERATION_CONFIG)
+        peer = transformers_peer.Peer(path, tmp, dtype="bfloat16")
+        ours = {dtype: Model.from_pretrained(path, dtype=dtype) for dtype in ("bfloat16", "float32")}
+        for m in ours.values():
+            m.router_top_k = torch_cpu_top_k
+        settings = _settings(path, ours["bfloat16"], 2)
+        agree, where = {"bfloat16": 0, "float32": 0}, []
+        for seed in range(seeds):
+            x = forward_inputs(ours["bfloat16"].config, seed, settings.t_max)
+            run = peer.generate(x.prompt, settings, seed, {})
+            for dtype, m in ours.items():
+                calls: list = []
+                try:
+                    tokens, calls = _run_ours(m, x.prompt, settings, variants.semantics("transformers"), run.tape, calls)
+                except Exception:  # our run asked for a draw the peer never made: it parted
+                    tokens = None
+                agree[dtype] += tokens == run.tokens
+                if dtype == "bfloat16" and tokens != run.tokens:
+                    for a, b in zip(run.calls, calls):
+                        same = np.array_equal(a.ids, b.ids) and (a.sc is None) == (b.sc is None) and (
+                            a.sc is None or np.array_equal(a.sc, round_to(b.sc, m.dtype)))
+                        d = float(np.abs(a.logits - b.logits).max())
+                        if same and d > 1e-5:
+                            where.append(f"s{seed}: canvas {a.canvas} step {a.step} max|d| {d:.2g}")
+                            break
+                        if not same:
+                            where.append(f"s{seed}: inputs parted at canvas {a.canvas} step {a.step}")
+                            break
+        print(f"  {label}: tokens agree on {agree['bfloat16']}/{seeds} seeds (bf16 reference), "
+              f"{agree['float32']}/{seeds} (float32 reference)")
+        print("    first flipped call (same inputs, logits differ) per departure: " + "; ".join(where))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=6)
+    parser.add_argument("--free-seeds", type=int, default=10)
+    args = parser.parse_args()
+    print(machine_facts())
+    import torch
+    import transformers
+
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.get_num_threads()} torch threads")
+    with tempfile.TemporaryDirectory(prefix="bf16-parity-") as tmp, torch.no_grad():
+        teacher_forced(args.seeds, tmp)
+        free_runs(args.free_seeds, tmp)
+
+
+if __name__ == "__main__":
+    main()
