@@ -18,7 +18,8 @@ Sections before the transformers table, all in the same run:
 
 * **shipped model end to end**: ``diffusiongemma/assets/tiny-kjv`` with its generation settings, EOS
   ignored, 1024 new tokens (``--ignore-eos -n 1024``): tokens/s of ours with the canvas loop on the device
-  (``fast/gpu/canvas.py``), of ours through the spec's per-step loop (``device_loop=False``: the path before
+  (``fast/gpu/canvas.py``), the same with each canvas's decoder pass captured as a CUDA graph
+  (``fast/gpu/graph.py``, ``graphs=True``), of ours through the spec's per-step loop (``device_loop=False``: the path before
   it), and of the CPU fast path on this machine's host, with the ratios;
 * **per-step breakdown** (shipped model and medium): one decoder pass, the sampling kernel, the acceptance
   kernel, one stop-flag copy back, an empty launch, and the step's Python-issued launch count (counted by
@@ -123,6 +124,9 @@ def shipped_end_to_end(device, n_tokens: int = 1024) -> list[str]:
     sync = device.synchronize
     gpu.generate(ours, SHIPPED_PROMPT, max_new_tokens=64, **kwargs)  # warm-up: kernels, memory pool
     t_dev, r_dev = _once(lambda: gpu.generate(ours, SHIPPED_PROMPT, max_new_tokens=n_tokens, **kwargs), sync)
+    graphed = dict(kwargs, backend_options={"graphs": True})
+    gpu.generate(ours, SHIPPED_PROMPT, max_new_tokens=64, **graphed)
+    t_graph, r_graph = _once(lambda: gpu.generate(ours, SHIPPED_PROMPT, max_new_tokens=n_tokens, **graphed), sync)
     t_spec, r_spec = _once(lambda: gpu.generate(ours, SHIPPED_PROMPT, max_new_tokens=n_tokens,
                                                 backend_options={"device_loop": False}, **kwargs), sync)
     cpu = fast.Model.from_pretrained(SHIPPED, device="cpu")
@@ -139,11 +143,14 @@ def shipped_end_to_end(device, n_tokens: int = 1024) -> list[str]:
         "|---|---|---|---|---|",
         f"| ours, canvas loop on the device | {t_dev:.3f} | {n / t_dev:.1f} | {t_dev / steps * 1e3:.2f} | "
         f"{t_cpu / t_dev:.2f}x |",
+        f"| ours, device loop + decoder pass as a CUDA graph | {t_graph:.3f} | {n / t_graph:.1f} | "
+        f"{t_graph / steps * 1e3:.2f} | {t_cpu / t_graph:.2f}x |",
         f"| ours, spec's per-step loop (before) | {t_spec:.3f} | {n / t_spec:.1f} | {t_spec / steps * 1e3:.2f} | "
         f"{t_cpu / t_spec:.2f}x |",
         f"| CPU fast path, this host | {t_cpu:.3f} | {n / t_cpu:.1f} | {t_cpu / steps * 1e3:.2f} | 1.00x |",
         "",
-        f"Same tokens, device loop vs per-step loop: {'yes' if same_spec else 'NO'}; vs the CPU fast path: "
+        f"Same tokens, device loop vs per-step loop: {'yes' if same_spec else 'NO'}; with the CUDA graph: "
+        f"{'yes' if np.array_equal(r_graph.sequences, r_dev.sequences) else 'NO'}; vs the CPU fast path: "
         f"{'yes' if same_cpu else 'no (float32 rounding near a tie parts the runs)'}. Targets: >= 5,000 tokens/s "
         f"and >= 20x the CPU fast path.",
         "",
@@ -237,7 +244,8 @@ def counts_table(device_name: str) -> list[str]:
     lines = [f"### Counts per canvas, shipped model on {device_name} (batch 1, one canvas of 32 tokens)", "",
              "| loop | steps | copies back (bytes) | copies to device | host waits | launches per step "
              "(kernels + array calls) | graph replays |", "|---|---|---|---|---|---|---|"]
-    for label, options in (("device loop, stop flag every 4 steps", {}),
+    for label, options in (("device loop, decoder pass replayed (graph.py)", {"graphs": True}),
+                           ("device loop, decoder pass launch by launch", {"graphs": False}),
                            ("spec's per-step loop (before)", {"device_loop": False})):
         device.phases.clear()
         result, canvases = count_generate(model, SHIPPED_PROMPT, generation_config=settings, random=1,

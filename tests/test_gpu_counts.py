@@ -2,7 +2,8 @@
 (``fast/gpu/counting.py``): inside a canvas no copy comes back to the host but the stop flag, read once per
 ``sync_every`` steps, and the committed draft once per canvas; nothing is copied to the device per step.
 
-The same counts on the spec's per-step loop (``device_loop=False``, what every step did before the device
+Each canvas's decoder pass is captured once and replayed (``fast/gpu/graph.py``: one replay per step after
+the second). The same counts on the spec's per-step loop (``device_loop=False``, what every step did before the device
 loop) show what the counter sees when a step does round trips: several copies back per step.
 """
 
@@ -42,7 +43,7 @@ def run(shipped, steps: int, **options):
 def test_a_canvas_reads_back_only_its_stop_flag_and_its_draft(shipped, k):
     steps = 8
     result, canvases = run(shipped, steps, sync_every=k)
-    reference, _ = run(shipped, steps, device_loop=False)
+    reference, spec_canvases = run(shipped, steps, device_loop=False)
     np.testing.assert_array_equal(result.sequences, reference.sequences)  # the same tokens as the spec's loop
     B, C = PROMPT.shape[0], shipped[0].config.canvas_length
     for canvas in canvases:
@@ -53,6 +54,10 @@ def test_a_canvas_reads_back_only_its_stop_flag_and_its_draft(shipped, k):
         assert counts.waits <= flags + 1, counts.as_dict()  # <= 1 synchronisation per k steps (+ the draft)
         # copies to the device: the canvas's draws and inputs, once per canvas, none per step
         assert counts.h2d <= 12, counts.as_dict()
+        # the decoder pass: issued at steps 1 (no self-conditioning) and 2 (captured), then one replay per step
+        assert counts.replays == n - 2 and counts.replayed_launches > 50 * (n - 2), counts.as_dict()
+        spec = spec_canvases[0]["canvas"]
+        assert counts.python_launches < spec.python_launches / 2, (counts.as_dict(), spec.as_dict())
 
 
 def test_the_per_step_loop_is_what_the_counter_catches(shipped):

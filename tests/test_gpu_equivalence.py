@@ -294,6 +294,21 @@ def test_loop_matches_reference_loop_on_identical_logits(device, B, max_new, sta
     np.testing.assert_array_equal(gpu_draws.renoise_ids(1, 8, 100), ref_draws.renoise_ids(1, 8, 100))
 
 
+def test_the_captured_decoder_pass_replays_what_was_issued(device):
+    """Each canvas's decoder pass captured once and replayed (``graph.py``: a CUDA graph on a GPU, the
+    recorded plan on cuda-sim) gives the run that the same passes issued launch by launch give."""
+    config = tiny_config()
+    _, fast = pair(config, device, seed=1)
+    prompt = np.random.default_rng(3).integers(3, 120, size=(2, 7))
+    kwargs = dict(max_new_tokens=32, max_denoising_steps=5, stability_threshold=0, confidence_threshold=4.4,
+                  eos_token_id=[1], pad_token_id=0, random=4)
+    graphed = gpu.generate(fast, prompt, backend_options={"graphs": True}, **kwargs)
+    issued = gpu.generate(fast, prompt, backend_options={"graphs": False}, **kwargs)
+    np.testing.assert_array_equal(graphed.sequences, issued.sequences)
+    np.testing.assert_array_equal(graphed.forward_passes, issued.forward_passes)
+    assert graphed.steps_per_canvas == issued.steps_per_canvas
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed,B", [(0, 1), (2, 3)])
 def test_generation_trajectory_matches_reference(device, seed, B):

@@ -339,3 +339,47 @@ def test_prefetched_draws_leave_the_stream_where_the_executed_steps_do():
             np.testing.assert_array_equal(noise[i], spec.renoise_ids(B, C, V))
         np.testing.assert_array_equal(ahead.canvas_ids(B, C, V), spec.canvas_ids(B, C, V))
         np.testing.assert_array_equal(ahead.categorical_uniforms(B, C), spec.categorical_uniforms(B, C))
+
+
+@pytest.mark.parametrize("sync_every", [1, 4])
+def test_the_replayed_decoder_pass_gives_the_same_run(sync_every):
+    """Each canvas's decoder pass captured once and replayed (``graph.py``, the recorded plan cuda-sim runs
+    where a GPU launches a CUDA graph) against the same pass issued launch by launch and against the spec's
+    per-step loop: the same tokens, stop steps, forward passes and draw position, also when rows stop at
+    different steps (the live rows change and the pass is captured again)."""
+    config = tiny_config()
+    _, fast = pair(config, seed=1)
+    prompt = np.random.default_rng(3).integers(3, 120, size=(3, 7))
+    # mean entropies fall from ~4.5 over the steps: rows cross 4.4 at different steps
+    kwargs = dict(max_new_tokens=32, max_denoising_steps=8, stability_threshold=0, confidence_threshold=4.4,
+                  eos_token_id=[1], pad_token_id=0)
+    runs = []
+    for options in ({"graphs": True}, {"graphs": False}, {"device_loop": False}):
+        draws, rec = SeededDraws(4), Recorder()
+        result = gpu.generate(fast, prompt, random=draws, callback=rec,
+                              backend_options=dict(options, sync_every=sync_every), **kwargs)
+        runs.append((result, draws.categorical_uniforms(1, 3), rec))
+    (a, ua, ra), *others = runs
+    for b, ub, rb in others:
+        np.testing.assert_array_equal(a.sequences, b.sequences)
+        np.testing.assert_array_equal(a.forward_passes, b.forward_passes)
+        assert a.steps_per_canvas == b.steps_per_canvas
+        np.testing.assert_array_equal(ua, ub)
+        for x, y in zip(ra.steps, rb.steps):
+            np.testing.assert_array_equal(x.draft, y.draft)
+            np.testing.assert_array_equal(x.entropies, y.entropies)
+    assert any(s.finished.any() and not s.finished.all() for s in ra.steps), "no row stopped before the others"
+
+
+def test_a_captured_pass_refuses_host_copies():
+    from diffusiongemma.fast.gpu import graph
+
+    device = SimDevice(checks=False)
+    x = device.zeros((4,), np.float32)
+    with pytest.raises(graph.CaptureError, match="copy to the host"):
+        graph.capture(device, lambda rec: rec.to_host(x))
+    with pytest.raises(graph.CaptureError, match="copy to the device"):
+        graph.capture(device, lambda rec: rec.to_device(np.ones(3)))
+    plan = graph.capture(device, lambda rec: rec.xp.add(x, np.float32(1), out=x))
+    graph.replay(device, plan)
+    np.testing.assert_array_equal(x, 2.0)  # once while recording, once replayed

@@ -19,8 +19,10 @@ What stays on the device for the whole canvas (B rows, C positions, N = max_deno
     per-step records (N, ...)            draft, sampled, entropies, accepted, canvas, finished: only when a
                                          callback asked for steps; copied to the host once, after the canvas
 
-Each step is the spec's (``reference.generate.denoise_canvas``) in device arrays: the decoder pass and the
-sampling kernel for the rows the host knows to be live, the acceptance kernel, the freezing of finished
+Each step is the spec's (``reference.generate.denoise_canvas``) in device arrays: the decoder pass (from the
+second pass with self-conditioning on, the pass captured once and replayed, ``graph.py``, when
+``GpuBackend.graphs``; its canvas is copied into one fixed input buffer first) and the sampling kernel for
+the rows the host knows to be live, the acceptance kernel, the freezing of finished
 rows (``where``), and the stopping rule: stable (the draft equals each of the last s drafts) and confident
 (mean entropy < γ, with NumPy's float32 pairwise summation reproduced by ``pairwise_mean``, so that the
 decision is the reference's bit for bit).
@@ -53,6 +55,7 @@ from diffusiongemma.reference.sampling import StableAndConfident
 from diffusiongemma.reference.stages import TRANSFORMERS
 from diffusiongemma.reference.support.observer import NULL_OBSERVER, StepInfo, notify, readonly
 
+from . import graph
 from . import launch as gl
 
 __all__ = ["run_canvas", "prefetch_draws", "pairwise_mean", "applies"]
@@ -170,6 +173,8 @@ def run_canvas(backend: Any, k: int, canvas: np.ndarray, draws: SeededDraws, sto
     out = backend.outputs(B * C)
     records = _Records(dev, N, B, C) if callback is not None else None
 
+    graphs = bool(getattr(backend, "graphs", False))
+    plan = plan_key = direct_key = canvas_in = None  # the captured decoder pass, for the live rows plan_key
     live = np.arange(B)  # rows the host knows to be denoising (decoded and sampled)
     live_dev = flat_dev = None
     live_at: list[np.ndarray] = []  # the live rows of each issued step
@@ -187,8 +192,24 @@ def run_canvas(backend: Any, k: int, canvas: np.ndarray, draws: SeededDraws, sto
             R = n * C
             step_cap = cap
             if backend.logits_hook is None:
-                rows_canvas = canvas_dev if n == B else canvas_dev[live_dev]
-                model._decoder_logits(rows_canvas, backend.cache, live, backend.buffer, backend.has_sc)
+                key = live.tobytes()
+                if graphs and backend.has_sc and (plan_key == key or direct_key == key):
+                    # the pass reads its canvas from a fixed buffer: replay the captured pass (graph.py)
+                    if plan_key != key:
+                        canvas_in = dev.empty((n, C), np.int64)
+                    if n == B:
+                        xp.copyto(canvas_in, canvas_dev)
+                    else:
+                        xp.take(canvas_dev, live_dev, axis=0, out=canvas_in)
+                    if plan_key == key:
+                        graph.replay(dev, plan)
+                    else:
+                        plan, plan_key = graph.capture(dev, lambda rec, x=canvas_in, rows=live: _decode_on(
+                            rec, model, x, backend, rows)), key
+                else:
+                    rows_canvas = canvas_dev if n == B else canvas_dev[live_dev]
+                    model._decoder_logits(rows_canvas, backend.cache, live, backend.buffer, backend.has_sc)
+                    direct_key = key  # the pass's inputs are uploaded (model._decoder_inputs): capture next
             else:  # tests: host logits of the canvas replace the decoder (a copy each way, as in GpuBackend.step)
                 logits = np.asarray(backend.logits_hook(dev.to_host(canvas_dev), live), dtype=np.float32)
                 backend.buffer[dev.to_device(live)] = dev.to_device(logits[live])
@@ -259,6 +280,16 @@ def run_canvas(backend: Any, k: int, canvas: np.ndarray, draws: SeededDraws, sto
                 entropies=readonly(steps["entropies"][j]), finished=readonly(steps["finished"][j].copy()),
                 max_steps=N, n_canvases=n_canvases))
     return semantics.commit(draft, canvas, host_finish < N), executed
+
+
+def _decode_on(device: Any, model: Any, canvas: Any, backend: Any, rows: np.ndarray) -> None:
+    """The decoder pass of ``rows`` (with self-conditioning) issued to ``device`` (a capture's recorder)."""
+    own = model.device
+    model.device = device
+    try:
+        model._decoder_logits(canvas, backend.cache, rows, backend.buffer, True)
+    finally:
+        model.device = own
 
 
 def _flat(rows: np.ndarray, C: int) -> np.ndarray:

@@ -120,6 +120,12 @@ class CupyDevice:
     def synchronize(self) -> None:
         self.xp.cuda.Device().synchronize()
 
+    def replay(self, plan: Any) -> None:
+        """Launch a captured pass (``graph.Plan``: one CUDA graph launch on the current stream)."""
+        from .graph import run_plan
+
+        run_plan(self, plan)
+
     def available_memory(self) -> int | None:
         """Bytes this GPU can still allocate: the driver's free memory plus what CuPy's pool holds unused."""
         try:

@@ -87,16 +87,18 @@ class Model:
         return cls(config, tensors, device=dev)
 
     def denoising_backend(self, draws: Any, batch_size: int, denoiser: Any = None, observer: Any = NULL_OBSERVER,
-                          logits_hook: Any = None, device_loop: bool = True, sync_every: int = 4) -> Any:
+                          logits_hook: Any = None, device_loop: bool = True, sync_every: int = 4,
+                          graphs: bool | None = None) -> Any:
         """The per-step compute the generation loop (``reference.generate.generate``) runs this model with:
         ``GpuBackend`` (device buffer and kernels), or, for a replaced host ``denoiser``, the reference's step
         inside the device context. device_loop: run each canvas's steps on the device (``canvas.py``) when
-        the run allows it; sync_every: steps between two reads of its stop flag."""
+        the run allows it; sync_every: steps between two reads of its stop flag; graphs: replay each canvas's
+        decoder pass captured once (``graph.py``; default: on cuda-sim yes, on a GPU no)."""
         if denoiser is not None:
             return ReferenceBackend(denoiser, draws, self.config.vocab_size, batch_size, observer=observer,
                                     context=self.device.context)
         return GpuBackend(self, draws, batch_size, observer=observer, logits_hook=logits_hook,
-                          device_loop=device_loop, sync_every=sync_every)
+                          device_loop=device_loop, sync_every=sync_every, graphs=graphs)
 
     def diagnose_non_finite(self, error: Exception, canvas: np.ndarray, cache: Any) -> Exception:
         """The error for NaN/+inf logits the sampling kernel flagged (``error``) in a decoder pass over ``canvas``

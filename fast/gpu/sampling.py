@@ -34,6 +34,7 @@ from diffusiongemma.reference.support.logits import (FLAG_NAN, FLAG_NO_FINITE, F
                                                      FLAG_RAW_POSINF, raise_for_logit_flags)
 
 from . import canvas as canvas_loop
+from . import graph
 from . import launch as gl
 from .canvas import SYNC_EVERY
 
@@ -80,9 +81,13 @@ class GpuBackend:
     """
 
     def __init__(self, model: Any, draws: Any, batch_size: int, observer: Observer = NULL_OBSERVER,
-                 logits_hook: Any = None, device_loop: bool = True, sync_every: int = SYNC_EVERY):
+                 logits_hook: Any = None, device_loop: bool = True, sync_every: int = SYNC_EVERY,
+                 graphs: bool | None = None):
         self.model, self.dev = model, model.device
         self.device_loop, self.sync_every = bool(device_loop), int(sync_every)  # see run_canvas
+        # replay the decoder pass captured once per canvas (graph.py): on cuda-sim by default; on a GPU when
+        # asked (graphs=True), until a GPU run has checked CuPy's capture of it
+        self.graphs = (not graph.on_gpu(self.dev)) if graphs is None else bool(graphs)
         self._outputs: _StepOutputs | None = None
         self.B, self.C, self.V = int(batch_size), int(model.config.canvas_length), int(model.config.vocab_size)
         self.draws, self.observer, self.logits_hook = draws, observer, logits_hook

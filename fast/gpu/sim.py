@@ -573,3 +573,7 @@ class SimDevice:
 
     def synchronize(self) -> None:
         pass
+
+    def replay(self, plan: Any) -> None:
+        """Run a recorded pass (``graph.Plan``) again: each launch through the executor, with its checks."""
+        plan.run(self)
