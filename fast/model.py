@@ -162,7 +162,8 @@ class Model:
         memory (the result is the float32 path's on the dequantized weights, bit for bit; every other
         Q8_0 tensor is widened to float32); False widens everything at load, as the reference does.
         ``keep_bf16``: the large matrices of a checkpoint that stores bfloat16 (a converted directory of
-        dtype bfloat16, a GGUF file's BF16 tensors) stay bfloat16 in memory (``Model(keep_bf16=...)``: the
+        dtype bfloat16, a transformers directory of bfloat16 safetensors, a GGUF file's BF16 tensors) stay
+        bfloat16 in memory (``Model(keep_bf16=...)``: the
         same results, bit for bit, in half the bytes); False widens them at load.
         """
         check_device(device)

@@ -12,8 +12,8 @@ piece where it multiplies: a 256-long chunk of k of a 32-column panel for the ro
 * a whole model built from bfloat16 tensors gives the float32 model's logits (prompt encode, denoise
   without and with self-conditioning, incremental encode, second denoise) and generated tokens, bit for
   bit, while holding its large matrices at 2 bytes a weight;
-* ``from_pretrained`` keeps the bfloat16 of a converted directory (``dtype`` bfloat16) and of a GGUF file's
-  BF16 tensors by default, and widens with ``keep_bf16=False``, with the same bits either way;
+* ``from_pretrained`` keeps the bfloat16 of a converted directory (``dtype`` bfloat16), of a transformers
+  directory of bfloat16 safetensors and of a GGUF file's BF16 tensors by default, and widens with ``keep_bf16=False``, with the same bits either way;
 * mixed or wrong kinds are refused with a message naming them.
 """
 
@@ -256,6 +256,21 @@ def test_a_gguf_files_bf16_tensors_stay_bf16(tmp_path):
     assert {w.experts.kind for w in small.layers} == {"bfloat16"} and small.layers[0].mlp_down.dtype == BFLOAT16
     assert {w.experts.kind for w in large.layers} == {"float32"}
     prompt = np.random.default_rng(7).integers(5, SPEC.vocab_size, size=(2, 12))
+    for a, b in zip(model_outputs(small, prompt), model_outputs(large, prompt)):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_a_bf16_transformers_directory_stays_bf16(tmp_path):
+    """The released checkpoint's own format: a transformers directory of bfloat16 safetensors."""
+    import torch
+
+    from tests.hf_tiny import tiny_model
+
+    tiny_model(seed=0).to(torch.bfloat16).save_pretrained(tmp_path)
+    small, large = fast.Model.from_pretrained(tmp_path), fast.Model.from_pretrained(tmp_path, keep_bf16=False)
+    assert {w.experts.kind for w in small.layers} == {"bfloat16"} and small.layers[0].qkv.dtype == BFLOAT16
+    assert {w.experts.kind for w in large.layers} == {"float32"} and large.layers[0].qkv.dtype == np.float32
+    prompt = np.random.default_rng(8).integers(5, small.config.vocab_size, size=(1, 10))
     for a, b in zip(model_outputs(small, prompt), model_outputs(large, prompt)):
         assert a.tobytes() == b.tobytes()
 

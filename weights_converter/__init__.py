@@ -43,10 +43,10 @@ def _read_gguf(path: str, keep_quantized: bool = False, keep_bf16: bool = False)
 
 
 def _read_transformers(path: str, keep_quantized: bool = False, keep_bf16: bool = False):
-    # safetensors here hold no quantized type; bfloat16 tensors are widened (the names and layout are mapped)
+    # safetensors here hold no quantized type; bfloat16 ones stay bfloat16 with keep_bf16
     from .conversion import load_transformers_checkpoint
 
-    return load_transformers_checkpoint(path)
+    return load_transformers_checkpoint(path, keep_bf16=keep_bf16)
 
 
 # The formats ``reference.weights.load_checkpoint`` reads through the converter: (name, matches, read),

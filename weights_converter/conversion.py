@@ -31,8 +31,8 @@ from tqdm.auto import tqdm
 
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.support.errors import CheckpointError, InputError
-from diffusiongemma.reference.support.checkpoint_io import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, STORAGE_DTYPES,
-                                                            to_float32)
+from diffusiongemma.reference.support.checkpoint_io import (BFLOAT16, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE,
+                                                            STORAGE_DTYPES, to_float32)
 from diffusiongemma.reference.weights import expected_shapes
 
 from .names import TIED_GROUP, hf_name, project_name, skipped_group, tied_source
@@ -280,15 +280,17 @@ def _index(plan: ConversionPlan, dtype: str, weight_map: dict[str, str], paramet
     }
 
 
-def load_transformers_checkpoint(src: str | os.PathLike,
-                                 progress: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_transformers_checkpoint(src: str | os.PathLike, progress: bool = False,
+                                 keep_bf16: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read a transformers checkpoint directory into the project's names, in memory.
 
     Returns ``(config, tensors)``: ``tensors`` maps every name of ``expected_shapes(config)`` to a
-    C-contiguous float32 array of that shape (bfloat16/float16 sources widened exactly). Same
-    checks and errors as ``convert`` (``ConfigError``, ``CheckpointError``), without writing.
+    C-contiguous float32 array of that shape (bfloat16/float16 sources widened exactly; with
+    ``keep_bf16`` a bfloat16 source stays bfloat16, as stored). Same checks and errors as ``convert``
+    (``ConfigError``, ``CheckpointError``), without writing.
     """
     plan = plan_conversion(TransformersCheckpoint.open(src))
-    tensors = {name: to_storage(array, "float32", _label(plan, name))
+    tensors = {name: to_storage(array, "bfloat16" if keep_bf16 and array.dtype == BFLOAT16 else "float32",
+                                _label(plan, name))
                for name, array in iter_source_tensors(plan, progress)}
     return plan.checkpoint.config, tensors

@@ -298,8 +298,8 @@ def load_checkpoint(path: str | os.PathLike, keep_quantized: bool = False,
     ``keep_quantized``: matrices a GGUF file stores as Q8_0 come as ``Q8_0Tensor`` (int8 values, float16
     scales) instead of float32; ``quantized.widen`` gives their exact float32 values. Only a model that
     computes on them directly asks for this (the CPU fast path, for its experts).
-    ``keep_bf16``: tensors a file stores as bfloat16 (a converted directory of dtype bfloat16, a GGUF file's
-    BF16 tensors) come as bfloat16 arrays (``ml_dtypes``; ``quantized.widen`` widens them exactly). The
+    ``keep_bf16``: tensors a file stores as bfloat16 (a converted directory of dtype bfloat16, a transformers
+    directory's bfloat16 safetensors, a GGUF file's BF16 tensors) come as bfloat16 arrays (``ml_dtypes``; ``quantized.widen`` widens them exactly). The
     CPU fast path asks for this too; a format that stores no bfloat16 ignores it.
 
     Raises ``CheckpointError`` when ``path`` does not exist or is no known kind, or when its tensors are
