@@ -288,6 +288,27 @@ def test_a_non_finite_bf16_weight_is_refused_at_load():
         fast.Model(config, kept)
 
 
+def test_an_overflow_with_bf16_weights_is_diagnosed_as_with_float32_ones():
+    """A post-FFN norm of 3e38 (a bfloat16 number) overflows float32 activations in layer 1: the bfloat16
+    model's error names the same place and cause as the float32 model's on the widened weights."""
+    from diffusiongemma.reference.support.errors import NonFiniteError
+
+    config = make_config()
+    kept, wide = rounded_tensors(config, seed=4)
+    for tensors in (kept, wide):
+        tensors["layers.1.post_feedforward_layernorm"] = np.full_like(tensors["layers.1.post_feedforward_layernorm"],
+                                                                      3e38)
+    messages = []
+    with np.errstate(all="ignore"):
+        for tensors in (kept, wide):
+            model = fast.Model(config, tensors)
+            with pytest.raises(NonFiniteError) as caught:
+                fast.generate(model, np.array([[2, 100, 120]]), max_new_tokens=16)
+            messages.append(str(caught.value))
+    assert fast.Model(config, kept).layers[1].mlp_down.dtype == BFLOAT16
+    assert messages[0] == messages[1] and "layer 1 is not finite" in messages[0], messages
+
+
 def test_ml_dtypes_rounds_as_the_tests_assume():
     """float32 -> bfloat16 rounds to nearest even and widening back is exact (the premise of every test here)."""
     x = np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -7], np.float32)
