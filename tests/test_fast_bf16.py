@@ -203,6 +203,27 @@ def test_a_bf16_model_gives_the_float32_models_logits_and_tokens_bit_for_bit():
     assert runs[0].sequences.shape[1] > prompt.shape[1]
 
 
+def test_bf16_storage_is_the_float32_run_not_upstreams_bfloat16_run():
+    """What the bfloat16-kept path computes: the float32 run on the stored weights (within float32 noise of the
+    float32 reference on them), not the bfloat16 run of the reference (``Model(dtype="bfloat16")``, SPEC
+    §10.1), which rounds activations too and lands orders of magnitude further away."""
+    from diffusiongemma.reference.model import Model as RefModel
+
+    config = make_config()
+    kept, wide = rounded_tensors(config, seed=0)
+    prompt = np.random.default_rng(5).integers(3, config.vocab_size, size=(2, 21))
+    canvas = np.random.default_rng(6).integers(0, config.vocab_size, size=(2, config.canvas_length))
+    logits = []
+    for model in (fast.Model(config, kept), RefModel(config, wide), RefModel(config, wide, dtype="bfloat16")):
+        cache = model.new_cache(2)
+        model.encode(prompt, cache)
+        logits.append(np.asarray(model.denoise(canvas, cache), np.float32))
+    ours, float32_run, bfloat16_run = logits
+    to_float32_run = float(np.abs(ours - float32_run).max())
+    assert to_float32_run <= 1e-4 * (1 + float(np.abs(float32_run).max()))
+    assert to_float32_run * 1000 < float(np.abs(bfloat16_run - float32_run).max())
+
+
 def test_keep_bf16_false_widens_at_load():
     config = make_config()
     kept, _ = rounded_tensors(config)
