@@ -22,7 +22,8 @@ any other model, or a replaced ``denoiser``, runs on ``ReferenceBackend``.
 
 Differences from transformers, all deliberate: bad settings raise ``ConfigError`` / ``InputError`` instead
 of being accepted or failing later (an integer ``confidence_threshold`` such as 10 is accepted as 10.0; a
-``max_length`` that leaves no room after the prompt is an error instead of returning the prompt alone);
+``max_length`` that leaves no room after the prompt is an error, where upstream returns the prompt alone with
+``max_new_tokens`` left at 256 and makes one canvas otherwise: SPEC §17 item 7);
 NaN logits raise ``SamplingError``; randomness comes from an explicit ``DrawSource``; the library prints
 nothing (progress is drawn by the command line from the callback).
 """
@@ -256,9 +257,9 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
         its ``save`` after); it reaches the model's ``denoise`` when that takes an ``observer`` argument.
     backend_options: keyword arguments for ``model.denoising_backend`` (tests and experiments).
     semantics: run the loop with another implementation's stage choices: a name of
-        ``semantics.SEMANTICS`` (``"transformers"``, the default, ``"jax"``, ``"llama.cpp"``, ``"vllm"``,
-        ``"mlx-vlm"``, ``"diffusers"``) or a ``semantics.Semantics``. Other than transformers', a variant
-        runs on the reference's per-step compute (``semantics.VariantBackend``), never a fast backend.
+        ``stages.SEMANTICS`` (``"transformers"``, the default, ``"jax"``, ``"llama.cpp"``, ``"vllm"``,
+        ``"mlx-vlm"``, ``"diffusers"``) or a ``stages.Semantics``. Other than transformers', a variant
+        runs on the reference's per-step compute (``ReferenceBackend``), never a fast backend.
 
     Lengths (SPEC §8.1): with L0 = P + cache length, ``max_new_tokens`` becomes ``max_length - L0`` when
     ``max_length`` is set and ``max_new_tokens`` is left at 256; the run makes at most
@@ -278,7 +279,7 @@ def generate(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray | Non
     Returns a ``GenerationResult``. Raises ``InputError`` for bad arrays, a run that cannot fit (with the
     numbers), or a model/denoiser returning the wrong shape or dtype, ``ConfigError`` for bad settings (also EOS/pad ids outside [0, V)),
     ``SamplingError`` when logits hold NaN / +inf or a position has no finite logit, and
-    ``draws.ReplayError`` when a replayed recording does not fit.
+    ``support.replay.ReplayError`` when a replayed recording does not fit.
     """
     config = resolve_config(check_model(model), generation_config, overrides)
     semantics = get_semantics(semantics)
@@ -433,7 +434,7 @@ def new_token_budget(config: GenerationConfig, context_length: int) -> int:
     max_length that leaves no room after the prompt and the cache is refused (``InputError``), as the
     command line refuses it."""
     budget = None if config.max_length is None else config.max_length - context_length
-    if budget is not None and budget <= 0:  # refused whatever max_new_tokens is (upstream would make one canvas)
+    if budget is not None and budget <= 0:  # refused whatever max_new_tokens is (upstream: the prompt alone at 256, else one canvas)
         raise InputError(f"max_length {config.max_length} leaves no room for new tokens after "
                          f"{context_length} prompt/cached tokens")
     if budget is not None and config.max_new_tokens == DEFAULT_MAX_NEW_TOKENS:

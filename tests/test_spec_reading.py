@@ -85,10 +85,7 @@ TENSOR_ROOTS = {"router", "experts", "self_attn", "mlp", "lm_head"}
 FOREIGN_ROOTS = {"jax", "lax", "mx", "mlx", "diffusers", "BlockRefinementScheduler"}
 # names a docstring still mentions although they are gone, each to be fixed in the file named (an entry
 # that resolves is an error: the exemption must never hide a name that exists)
-KNOWN_STALE = {("reference/generate.py", "semantics.VariantBackend"),  # module renamed stages.py; no such class
-               ("reference/generate.py", "semantics.SEMANTICS"),  # stages.SEMANTICS
-               ("reference/generate.py", "semantics.Semantics"),  # stages.Semantics
-               ("reference/generate.py", "draws.ReplayError")}  # support.replay.ReplayError
+KNOWN_STALE: set[tuple[str, str]] = set()  # (file, name) pairs exempted while a stale name awaits its fix
 
 
 def _project_namespaces() -> dict[str, object]:
@@ -100,7 +97,10 @@ def _project_namespaces() -> dict[str, object]:
 
     import os
 
-    roots: dict[str, object] = {"torch": torch, "numpy": numpy, "np": numpy, "nn": torch.nn, "os": os}
+    import ml_dtypes  # the bfloat16 rounding of the reference's bfloat16 run
+
+    roots: dict[str, object] = {"torch": torch, "numpy": numpy, "np": numpy, "nn": torch.nn, "os": os,
+                                "ml_dtypes": ml_dtypes}
     import diffusiongemma
 
     packages = ["diffusiongemma.reference", "diffusiongemma.reference.support", "diffusiongemma.reference.variants"]
