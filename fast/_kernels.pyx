@@ -663,15 +663,17 @@ cdef extern from "panel_gemm.h":
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def gemm_bf16(const float[:, ::1] a, w, float[:, ::1] out):
+def gemm_bf16(const float[:, ::1] a, w, float[:, ::1] out, scratch=None):
     """``out = a @ w.T`` for a bfloat16 matrix w (N, K) (numpy's ``ml_dtypes.bfloat16``, last axis
     contiguous), a: (M, K) and out: (M, N) float32.
 
     The tiles of ``gemm``, each one single-threaded BLAS call as there, on the tile's rows of w widened to
     float32 (exact) into a buffer of its thread (GEMM_TILE_COLS x K values): the weights stay bfloat16 in
     memory, and the result is ``gemm`` on the widened matrix, bit for bit (the same calls on the same
-    values). Raises ValueError for mismatched shapes or a w that is not bfloat16, RuntimeError when
-    ``has_gemm()`` is False.
+    values). ``scratch``: a float32 C-contiguous array of at least ``max_threads() * GEMM_TILE_COLS * K``
+    values to hold those buffers (``fast.blas`` keeps one per thread, so that a step allocates nothing);
+    None or a smaller one: allocated for the call. Raises ValueError for mismatched shapes or a w that is
+    not bfloat16, RuntimeError when ``has_gemm()`` is False.
     """
     if not has_gemm():
         raise RuntimeError("gemm_bf16: no BLAS installed (fast.blas.install) or no OpenMP")
@@ -701,7 +703,9 @@ def gemm_bf16(const float[:, ::1] a, w, float[:, ::1] out):
     cdef const uint16_t *B = &b[0, 0]
     cdef float *C = &out[0, 0]
     cdef int nt = _threads(tiles, <double>tm * tn * K / 16.0)
-    cdef float[:, ::1] buffers = np.empty((nt, tn * K), dtype=np.float32)  # one widened tile per thread
+    if scratch is None or scratch.dtype != np.float32 or not scratch.flags.c_contiguous or scratch.size < nt * tn * K:
+        scratch = np.empty(nt * tn * K, dtype=np.float32)
+    cdef float[:, ::1] buffers = scratch.reshape(-1)[:nt * tn * K].reshape(nt, tn * K)  # one widened tile a thread
     cdef float *wide
     cdef int previous
     with nogil:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 
 import numpy as np
 
@@ -72,6 +73,16 @@ class CpuArrays:
 
     def __init__(self, tiled: bool):
         self.tiled = tiled  # products and experts on the kernels' tiled BLAS calls
+        self._local = threading.local()  # per calling thread: the widened tiles of bfloat16 products
+
+    def _bf16_scratch(self, K: int) -> np.ndarray:
+        """This thread's buffer for ``_kernels.gemm_bf16`` with K columns (grown, never shrunk: a step of a
+        model allocates nothing once its largest product has run)."""
+        need = max(1, _kernels.max_threads()) * _kernels.GEMM_TILE_COLS * K
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.size < need:
+            scratch = self._local.scratch = np.empty(need, np.float32)
+        return scratch
 
     def __getattr__(self, name):
         return getattr(np, name)
@@ -98,7 +109,7 @@ class CpuArrays:
             if (self.tiled and out is not None and a.ndim == 2 and b.ndim == 2 and out.ndim == 2
                     and a.dtype == np.float32 and out.dtype == np.float32 and a.flags.c_contiguous
                     and out.flags.c_contiguous and b.T.flags.c_contiguous and not np.may_share_memory(out, a)):
-                _kernels.gemm_bf16(a, b.T, out)
+                _kernels.gemm_bf16(a, b.T, out, self._bf16_scratch(a.shape[1]))
                 return out
             return np.matmul(a, b.astype(np.float32), out=out)
         if (self.tiled and out is not None and a.ndim == 2 and b.ndim == 2 and out.ndim == 2

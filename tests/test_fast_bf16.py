@@ -224,6 +224,32 @@ def test_bf16_storage_is_the_float32_run_not_upstreams_bfloat16_run():
     assert to_float32_run * 1000 < float(np.abs(bfloat16_run - float32_run).max())
 
 
+def test_steady_state_denoising_with_bf16_weights_allocates_nothing_large():
+    """The widened tiles live in a per-thread buffer of ``fast.blas`` that only grows: after a warm-up step a
+    decoder pass allocates (every NumPy buffer, traced by tracemalloc) far less than one widened tile."""
+    import tracemalloc
+
+    config = make_config(vocab_size=4096, canvas_length=8, hidden_size=64, sliding_window=64)
+    kept, _ = rounded_tensors(config)
+    model = fast.Model(config, kept)
+    assert model.layers[0].qkv.dtype == BFLOAT16
+    B, C, V = 2, config.canvas_length, config.vocab_size
+    cache = model.new_cache(B)
+    model.encode(np.random.default_rng(0).integers(0, V, (B, 300)), cache)
+    buffer = np.empty((B, C, V), np.float32)
+    rows, canvas = np.arange(B), np.random.default_rng(1).integers(0, V, (B, C))
+    model.decode_rows(canvas, rows, cache, None, buffer)
+    model.decode_rows(canvas, rows, cache, buffer, buffer)  # warm-up
+    tracemalloc.start()
+    try:
+        model.decode_rows(canvas, rows, cache, buffer, buffer)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    one_tile = K.GEMM_TILE_COLS * config.hidden_size * 4
+    assert peak < one_tile / 4, (peak, one_tile)
+
+
 def test_keep_bf16_false_widens_at_load():
     config = make_config()
     kept, _ = rounded_tensors(config)
