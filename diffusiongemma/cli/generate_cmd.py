@@ -59,7 +59,8 @@ def register(commands, formatter) -> None:
                           "kernels on the CPU, checked)")
     gen.add_argument("--semantics", choices=SEMANTICS_NAMES, default="transformers",
                      help="run the loop with another implementation's stage choices (docs/PEERS.md); "
-                          "other than transformers, only with --backend reference")
+                          "other than transformers, they run on the reference (--backend auto picks it; cpu and "
+                          "gpu are refused)")
     gen.add_argument("-n", "--max-new-tokens", type=positive_int, default=None, metavar="N",
                      help="new tokens to generate, rounded up to whole canvases " + from_checkpoint("max_new_tokens"))
     gen.add_argument("--max-length", type=positive_int, default=None, metavar="L",
@@ -84,8 +85,8 @@ def register(commands, formatter) -> None:
                      help="argmax proposals (temperature 0, as mlx-vlm's default and diffusers' BlockRefinement "
                           "at temperature 0): each position proposes its most likely token instead of a "
                           "categorical draw; acceptance, self-conditioning and stopping keep the temperature "
-                          "schedule, and rejected positions are still renoised from the seed. Reference "
-                          "backend only")
+                          "schedule, and rejected positions are still renoised from the seed. Runs on the "
+                          "reference (--backend auto picks it)")
     gen.add_argument("--threads", type=positive_int, default=None, metavar="N",
                      help="BLAS and OpenMP threads, 1 to the cores this process may use (default: the cores free "
                           "at start, unless OMP_NUM_THREADS or another thread variable is set; the reference's BLAS "

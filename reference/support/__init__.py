@@ -7,6 +7,8 @@
     config_checks   every ModelConfig / GenerationConfig field's type and range
     config_io       config.json, diffusiongemma.json and generation_config.json as field values
     checkpoint_io   the converted checkpoint format, and the registry of other formats' readers
+    quantized       a Q8_0 matrix kept quantized, and its exact float32 values
+    noising_checks  the inputs of the training objective (reference/noising.py)
     replay          recording and replaying a run's draws
     observer        the callback a user passes, and the observer a trace recorder plugs in
 
