@@ -56,9 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="diffusiongemma-convert",
         description="Convert a transformers DiffusionGemma checkpoint directory (config.json + "
                     "safetensors), or a llama.cpp GGUF file (architecture diffusion-gemma, any type the gguf "
-                    "package dequantizes), into the diffusiongemma format.")
-    parser.add_argument("src", metavar="SRC", help="transformers checkpoint directory or .gguf file")
-    parser.add_argument("dst", metavar="DST", help="output directory (must not exist unless --force)")
+                    "package dequantizes), into the diffusiongemma format; with a DST ending in .gguf, write any "
+                    "checkpoint the package reads (converted, transformers or GGUF) as a llama.cpp GGUF file.")
+    parser.add_argument("src", metavar="SRC", help="transformers checkpoint directory or .gguf file (for a .gguf DST, a converted "
+                        "directory too)")
+    parser.add_argument("dst", metavar="DST", help="output directory, or a .gguf file (see --gguf-type); must not exist unless "
+                        "--force")
     parser.add_argument("--dtype", choices=STORAGE_DTYPES, default="float32",
                         help="storage dtype of the output (default: float32; bfloat16 rounds to nearest even "
                              "and keeps a bfloat16 source bit for bit)")
@@ -69,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="when DST ends in .gguf, write a llama.cpp GGUF file of this type instead "
                              "(default: f32; diffusiongemma/gguf_writer.py)")
     parser.add_argument("--force", action="store_true",
-                        help="replace DST if it is an existing diffusiongemma checkpoint")
+                        help="replace DST if it is an existing diffusiongemma checkpoint (or GGUF file)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="a progress bar on stderr (default: only when stderr is a terminal)")
     return accept_negative_sizes(parser)

@@ -10,7 +10,7 @@ def register(commands, formatter) -> None:
 
     converter = build_parser()
     sub = commands.add_parser("convert", parents=[converter], conflict_handler="resolve", formatter_class=formatter,
-                              help="convert a transformers checkpoint (the same as diffusiongemma-convert)",
+                              help="convert a checkpoint to the project's format or to GGUF (the same as diffusiongemma-convert)",
                               description=converter.description,
                               epilog="Exit status: 0 converted, 1 the input or the destination was rejected (the "
                                      "message names it), 130 interrupted; no partial destination is left behind.")
