@@ -39,7 +39,7 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="float32 (default), or bfloat16 (transformers only): the peer loaded with "
                              "dtype=torch.bfloat16 against the reference's bfloat16 run, with tolerances from that "
-                             "run's own error (docs/SPEC.md §10)")
+                             "run's own error (docs/SPEC.md §10.1)")
     from .llama_cpp_peer import add_arguments as add_llama_cpp_arguments  # llama.cpp: an external binary
 
     add_llama_cpp_arguments(parser)
