@@ -511,7 +511,9 @@ def ours_section(results: Results, device_name: str, model_shape: TinySpec, para
     step_bytes = max(batches) * C * V * 4 * 3  # logits, self-conditioning input, probabilities
     on_gpu = device_name.startswith("cuda") and device_name != "cuda-sim"
     facts = {"dtype": "float32 (the only GPU path today; bf16 does not exist yet)", "device": device_name,
-             "weights_gb": round(weights / 1e9, 2)}
+             "weights_gb": round(weights / 1e9, 2),
+             "peak device GB column": "device memory in use after the call (total - free: CuPy's pool and "
+                                      "torch's context included), not a peak"}
     if on_gpu:
         import cupy
 
