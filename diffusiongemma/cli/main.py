@@ -1,15 +1,16 @@
 """The diffusiongemma command line.
 
     diffusiongemma generate "And God said"            generate with the shipped tiny model
-    diffusiongemma generate -m DIR --chat "Hi"        any checkpoint (transformers or converted)
+    diffusiongemma generate -m DIR --chat "Hi"        any checkpoint (transformers, converted or GGUF)
     echo "And God said" | diffusiongemma generate -   the prompt from standard input
     diffusiongemma convert SRC DST                    same as diffusiongemma-convert
     diffusiongemma trace --prompt "Hi" -o run.trace   record a golden trace (docs/TRACE_FORMAT.md)
     diffusiongemma compare a.trace b.trace            first tensor at which two traces differ
     diffusiongemma plot run.json -o denoising.png     pictures of the denoising of a run
+    diffusiongemma crosscheck transformers            another implementation beside the reference
 
-Exit status: 0 success, 1 a divergence (compare) or a rejected conversion (convert), 2 a bad argument or
-input (the message names it), 130 interrupted (Ctrl-C).
+Exit status: 0 success, 1 a divergence (compare, crosscheck) or a rejected conversion (convert), 2 a bad
+argument or input (the message names it), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
