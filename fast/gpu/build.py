@@ -1,6 +1,6 @@
 """Compile the CUDA kernel sources of the GPU fast path, without a GPU: nvcc, or NVRTC as a fallback.
 
-The kernels in ``fast/cuda/*.cu`` are compiled at run time by CuPy (``RawModule``, i.e. NVRTC) on the
+The kernels in ``fast/gpu/cuda/*.cu`` are compiled at run time by CuPy (``RawModule``, i.e. NVRTC) on the
 GPU machine. This module lets a machine with no GPU check them ahead of time:
 
 * ``assemble(path)`` produces the exact single translation unit that ``fast.gpu`` hands to CuPy
