@@ -11,17 +11,18 @@ and written to ``DIR/bench_gpu_full.json`` and ``DIR/bench_gpu_full.md`` as soon
 * the device's copy rate (a device-to-device copy, bytes read + written per second) and its bf16 matrix
   product rate, measured in the same run; from them the floors of one denoising step: a decoder pass reads
   every weight once (256 canvas tokens x top-8 routes touch all 128 experts of every layer, and the tied
-  lm_head reads the whole embedding), so ``weight bytes / copy rate``; and ``2 x active parameters x
-  tokens / product rate`` (attention left out), which binds at larger batches;
+  lm_head reads the whole embedding), so ``weight bytes / copy rate``; and ``2 x multiply-adds per token x
+  tokens / product rate`` (attention left out; per token: the dense weights, 8 of 128 experts, and the
+  (V, H) table twice, the self-conditioning's probabilities and the lm_head), which binds at larger batches;
 * **torch bf16 eager**: transformers' ``DiffusionGemmaForBlockDiffusion`` created inside a
   ``torch.device("cuda")`` context in bfloat16, so transformers' own initialisation (normal, std 0.02;
   norms one) draws every weight on the device and nothing of the 50 GB passes through the host (while it
   is built, the encoder's layers exist next to the decoder's until transformers ties them: about 2x the
   weights for a moment, reported as the build peak). Then: peak device memory, prefill of 1k / 8k / 32k
   prompt tokens (one encoder call into an empty cache), one denoising step's model call (the decoder with
-  self-conditioning logits, the tied lm_head and the soft-cap) at batch 1, 2 and 8 after a 1k prompt (the first prompt length), the
-  commit of a finished canvas (an encoder call over its 256 tokens), and tokens/s per user at 16 steps
-  per canvas: ``256 / (16 x step + commit)``; the experts touched in the first decoder layer and
+  self-conditioning logits, the tied lm_head and the soft-cap) at batch 1, 2 and 8 after a prompt of the
+  first prompt length (1k), the commit of a finished canvas (an encoder call over its 256 tokens), and
+  tokens/s per user at 16 steps per canvas: ``256 / (16 x step + commit)``; the experts touched in the first decoder layer and
   transformers' experts implementation are recorded;
 * **ours, float32** (``diffusiongemma.fast.gpu``: float32 only, no bfloat16 GPU path exists yet), where
   it fits: its ``Model`` takes host NumPy arrays (it checks them for NaN and widens them on the host
@@ -103,8 +104,9 @@ def our_config(spec: TinySpec):
 
 
 def parameter_counts(config) -> dict:
-    """Parameters of the text model (tied embedding counted once) and those one token's pass multiplies
-    (experts: top-k of E; the lm_head: the whole embedding)."""
+    """Parameters of the text model (tied embedding counted once), those one token's encoder pass
+    multiplies (experts: top-k of E; the embedding once), and the multiply-adds of one token's decoder
+    pass without attention (the embedding table twice)."""
     from diffusiongemma.reference.weights import expected_shapes
 
     shapes = expected_shapes(config)
@@ -112,8 +114,10 @@ def parameter_counts(config) -> dict:
     experts = sum(math.prod(s) for n, s in shapes.items() if ".experts." in n)
     embedding = math.prod(shapes["embed_tokens"])
     active = (total - experts) * 1.0 + experts * config.top_k_experts / config.num_experts
+    # a decoder pass multiplies each token by the (V, H) table twice (the self-conditioning's probabilities
+    # times E, SPEC §7.1, and the tied lm_head), and gathers its embedding row (no product)
     return {"total": int(total), "experts": int(experts), "embedding": int(embedding),
-            "active_per_token": int(active)}
+            "active_per_token": int(active), "decoder_macs_per_token": int(active + embedding)}
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -184,7 +188,8 @@ def render(data: dict) -> str:
     if params:
         lines.append(f"- parameters: {params['total'] / 1e9:.3f} B (experts {params['experts'] / 1e9:.3f} B, "
                      f"embedding {params['embedding'] / 1e9:.3f} B); active per token "
-                     f"{params['active_per_token'] / 1e9:.3f} B; bf16 {params['total'] * 2 / 1e9:.1f} GB, "
+                     f"{params['active_per_token'] / 1e9:.3f} B; decoder multiply-adds per token "
+                     f"{params['decoder_macs_per_token'] / 1e9:.3f} G; bf16 {params['total'] * 2 / 1e9:.1f} GB, "
                      f"float32 {params['total'] * 4 / 1e9:.1f} GB")
     rates = data.get("device_rates", {})
     if rates:
@@ -246,9 +251,9 @@ def machine_facts(torch_device: str) -> dict:
         facts["gpu"] = f"{props.name}, {props.total_memory / 2**30:.1f} GiB, sm_{props.major}{props.minor}, " \
                        f"{props.multi_processor_count} SMs"
         try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem",
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,clocks.max.memory",
                                   "--format=csv,noheader"], capture_output=True, text=True, timeout=10).stdout
-            facts["driver, max SM / memory clock"] = smi.strip()
+            facts["nvidia-smi: name, driver, max SM / memory clock (MHz)"] = smi.strip()
         except (OSError, subprocess.SubprocessError) as error:
             facts["driver"] = f"nvidia-smi failed: {error}"
         try:
@@ -327,7 +332,7 @@ def floors(params: dict, bytes_per_weight: int, tokens: int, rates: dict, flops_
     copy rate (also at the nominal 4.8 TB/s), and the matrix products at the measured product rate."""
     weight_bytes = params["total"] * bytes_per_weight
     bandwidth = weight_bytes / rates["copy_bytes_per_s"]
-    compute = 2.0 * params["active_per_token"] * tokens / rates[flops_key]
+    compute = 2.0 * params["decoder_macs_per_token"] * tokens / rates[flops_key]
     return {"bandwidth_floor_s": bandwidth, "nominal_bandwidth_floor_s": weight_bytes / NOMINAL_BANDWIDTH,
             "compute_floor_s": compute, "floor_s": max(bandwidth, compute)}
 
@@ -425,8 +430,15 @@ def torch_section(results: Results, dev: TorchDevice, model_shape: TinySpec, par
 
     # ---- denoising steps
     touched = []
-    router = hf.model.decoder.layers[0].router
-    hook = router.register_forward_hook(lambda m, i, o: touched.append(int(o[2].unique().numel())))
+    routers = [m for m in hf.model.decoder.modules() if type(m).__name__.endswith("TextRouter")]
+
+    def count_experts(module, inputs, output):  # output: (probabilities, top-k weights, top-k indices)
+        try:
+            touched.append(int(output[2].unique().numel()))
+        except Exception:  # noqa: BLE001  (another transformers' router output: no count, the step still runs)
+            pass
+
+    hook = routers[0].register_forward_hook(count_experts) if routers else None
     try:
         for B in batches:
             def step(B=B):
@@ -463,7 +475,8 @@ def torch_section(results: Results, dev: TorchDevice, model_shape: TinySpec, par
 
             results.section(f"torch bf16 denoising step, batch {B}", step, reserve)
     finally:
-        hook.remove()
+        if hook is not None:
+            hook.remove()
         del hf, text, text_model
         dev.free()
 
@@ -503,7 +516,6 @@ def host_views(config, seed: int = 0) -> dict:
 def ours_section(results: Results, device_name: str, model_shape: TinySpec, params: dict, prompts, batches,
                  reserve: float) -> None:
     from diffusiongemma.fast import gpu
-    from diffusiongemma.fast.gpu.sampling import _StepOutputs  # noqa: F401  (the step's buffers exist)
     key = "ours_fp32"
     config = our_config(model_shape)
     C, V = config.canvas_length, config.vocab_size
@@ -663,7 +675,8 @@ def main(argv=None) -> int:
     label = (f"{layers} layers ({''.join('F' if t == FULL else 'S' for t in model_shape.layer_types)}), hidden "
              f"{model_shape.hidden_size}, heads 16 (S: 8 KV x {model_shape.head_dim}, F: 2 KV x "
              f"{model_shape.global_head_dim}, K = V), MLP {model_shape.intermediate_size}, "
-             f"{model_shape.num_experts} experts x {model_shape.moe_intermediate_size} top {model_shape.top_k_experts}, "
+             f"{model_shape.num_experts} experts x {model_shape.moe_intermediate_size} "
+             f"top {model_shape.top_k_experts}, "
              f"vocabulary {model_shape.vocab_size:,}, window {model_shape.sliding_window}, canvas "
              f"{model_shape.canvas_length}" + ("" if scale == 1 and layers == 30 else
                                                f" (scaled: --scale {scale} --layers {layers})"))

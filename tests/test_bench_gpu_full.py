@@ -38,6 +38,7 @@ def test_the_full_shape_is_the_released_one():
     total = V * H + H + (H + 3 * H * Id) + 25 * sliding + 5 * full + 30 * shared
     assert counts["total"] == total
     assert 25.2e9 < total < 25.3e9 and counts["experts"] == 30 * 3 * E * Ie * H
+    assert counts["decoder_macs_per_token"] == total - counts["experts"] + counts["experts"] // 16 + V * H
 
 
 def test_released_pattern_keeps_the_last_layer_full():
