@@ -2,9 +2,11 @@
 (``fast/gpu/counting.py``): inside a canvas no copy comes back to the host but the stop flag, read once per
 ``sync_every`` steps, and the committed draft once per canvas; nothing is copied to the device per step.
 
-Each canvas's decoder pass is captured once and replayed (``fast/gpu/graph.py``: one replay per step after
-the second). The same counts on the spec's per-step loop (``device_loop=False``, what every step did before the device
-loop) show what the counter sees when a step does round trips: several copies back per step.
+Each canvas's whole denoising step (decoder pass, sampling, acceptance and renoising, stop state, the step
+index) is captured once and replayed (``fast/gpu/graph.py``): from the third step on, a step is one replay
+(one CUDA graph launch on a GPU) and nothing else is issued from Python. The same counts on the spec's
+per-step loop (``device_loop=False``, what every step did before the device loop) show what the counter sees
+when a step does round trips: several copies back per step.
 """
 
 from __future__ import annotations
@@ -54,10 +56,29 @@ def test_a_canvas_reads_back_only_its_stop_flag_and_its_draft(shipped, k):
         assert counts.waits <= flags + 1, counts.as_dict()  # <= 1 synchronisation per k steps (+ the draft)
         # copies to the device: the canvas's draws and inputs, once per canvas, none per step
         assert counts.h2d <= 12, counts.as_dict()
-        # the decoder pass: issued at steps 1 (no self-conditioning) and 2 (captured), then one replay per step
+        # the step: issued at steps 1 (no self-conditioning) and 2 (captured), then one replay per step
         assert counts.replays == n - 2 and counts.replayed_launches > 50 * (n - 2), counts.as_dict()
+        assert counts.kernels["dg_sample_step"] == counts.kernels["dg_step_end"] == 2, counts.kernels
         spec = spec_canvases[0]["canvas"]
         assert counts.python_launches < spec.python_launches / 2, (counts.as_dict(), spec.as_dict())
+
+
+def test_a_step_is_one_graph_replay_and_nothing_else(shipped):
+    """Where graphs are on (cuda-sim's default), each step after the second is one replay and adds no other
+    Python-issued launch (kernel, array-module call) to its canvas: a canvas of more steps differs from one of
+    fewer by exactly its extra replays."""
+    short_result, short = run(shipped, 4)
+    long_result, long = run(shipped, 9, sync_every=2)
+    assert len(short) == len(long)
+    for a, b in zip(short, long):
+        na, nb = a["steps"], b["steps"]
+        assert nb > na > 2, (na, nb)  # steps beyond the capture in both, more of them in the second
+        ca, cb = a["canvas"], b["canvas"]
+        assert (ca.replays, cb.replays) == (na - 2, nb - 2), (ca.as_dict(), cb.as_dict())
+        assert cb.python_launches - ca.python_launches == nb - na, (ca.as_dict(), cb.as_dict())
+        assert (cb.launches, cb.xp_calls) == (ca.launches, ca.xp_calls), (ca.as_dict(), cb.as_dict())
+        # what one replay runs: the decoder pass and the step's sampling, acceptance and stop-state kernels
+        assert cb.replayed_launches // cb.replays == ca.replayed_launches // ca.replays > 50
 
 
 def test_the_per_step_loop_is_what_the_counter_catches(shipped):

@@ -323,6 +323,30 @@ def test_pairwise_mean_is_numpys_float32_mean_bit_for_bit():
                                       err_msg=f"C={C}")
 
 
+def test_the_step_kernels_stopping_rule_decides_on_numpys_float32_mean():
+    """``dg_step_update`` (the captured step's stopping rule) decides "mean entropy < γ" on NumPy's float32 mean
+    bit for bit: with γ equal to a row's mean the row does not stop, with γ one float32 above it the row stops
+    (at the step index read on the device), for canvas lengths across the pairwise block sizes."""
+    from diffusiongemma.fast.gpu import launch as gl
+
+    dev = SimDevice(checks=False)
+    rng = np.random.default_rng(1)
+    B, N, step = 3, 4, 2
+    for C in (5, 8, 64, 129, 300):
+        H = (rng.random((B, C)) * rng.choice([1e-3, 1.0, 7.0], (B, C))).astype(np.float32)
+        means = np.mean(H, axis=-1, dtype=np.float32)
+        for b in range(B):
+            for gamma, stops in ((means[b], False), (np.nextafter(means[b], np.float32(np.inf)), True)):
+                finished, finish_step = dev.zeros((B,), np.uint8), dev.to_device(np.full(B, N, dtype=np.int32))
+                dev.launch(gl.step_update(
+                    dev.zeros((B * C,), np.int64), dev.to_device(H.reshape(-1)), dev.zeros((B * C,), np.int64),
+                    dev.zeros((N, B, C), np.int64), dev.to_device(np.array([step], dtype=np.int32)), 0.5, True, 0,
+                    float(gamma), dev.zeros((B, C), np.int64), dev.zeros((B, C), np.int64),
+                    dev.zeros((B, C), np.float32), finished, finish_step, dev.zeros((1, B, C), np.int64)))
+                assert bool(finished[b]) == stops, (C, b, gamma, means[b])
+                assert finish_step[b] == (step if stops else N), (C, b)
+
+
 def test_prefetched_draws_leave_the_stream_where_the_executed_steps_do():
     """A canvas's draws made ahead (``canvas.prefetch_draws``) are the spec loop's, step by step, and putting
     the generator back after s steps leaves it where s steps of the spec's loop leave it."""

@@ -122,6 +122,27 @@ def zero_size_cases(dev):
                                  z(B, C, dtype=i64))
 
     cases += [("dg_accept_renoise", "B=0", lambda: accept(B=0)), ("dg_accept_renoise", "C=0", lambda: accept(C=0))]
+
+    def sample_step(B=2, C=3, R=4, V=50, N=2):  # the captured step's kernels, at step 0
+        n = B * C
+        return gl.sample_step(z(n, V), dev.to_device(np.arange(R, dtype=i32)), 0.0, z(N), z(1, dtype=i32), z(N, n, dtype=f64),
+                              z(n, dtype=i64), z(n), z(n, dtype=i64), z(N, n, dtype=i32))
+
+    cases += [("dg_sample_step", "rows=0", lambda: sample_step(R=0)),
+              ("dg_sample_step", "vocab=0", lambda: sample_step(V=0)),
+              ("dg_sample_step", "canvas rows=0", lambda: sample_step(B=0, R=0))]
+
+    def update(B=2, C=5, N=2, s=1):
+        return gl.step_update(z(B * C, dtype=i64), z(B * C), z(B * C, dtype=i64), z(N, B, C, dtype=i64),
+                              z(1, dtype=i32), 0.5, True, s, 0.1, z(B, C, dtype=i64), z(B, C, dtype=i64), z(B, C),
+                              z(B, dtype=u8), z(B, dtype=i32), z(max(s, 1), B, C, dtype=i64))
+
+    cases += [("dg_step_update", f"{k}=0", lambda k=k: update(**{k: 0})) for k in ("B", "C", "s")]
+
+    def end(N=2, n=6, B=2):
+        return gl.step_end(z(N, n, dtype=i32), z(B, dtype=i32), z(N + B, dtype=i32), z(1, dtype=i32))
+
+    cases += [("dg_step_end", f"{k}=0", lambda k=k: end(**{k: 0})) for k in ("n", "B")]
     return cases
 
 
@@ -170,6 +191,7 @@ def _sample_args(V=64, R=1):
 def test_static_shared_memory_of_the_sampler_is_what_the_builder_assumes():
     lib = KernelLibrary.default()
     assert lib.static_shared["dg_sample_rows"] == gl.sample_static_shared()
+    assert lib.static_shared["dg_sample_step"] == gl.sample_static_shared()
     # the builder refuses a vocabulary whose chunk sums and static shared memory together pass 48 KiB
     chunk = gl.const("DG_SAMPLE_CHUNK")
     fits = (gl.DEFAULT_SHARED_LIMIT - gl.sample_static_shared()) // 8 * chunk

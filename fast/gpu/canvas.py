@@ -15,20 +15,25 @@ What stays on the device for the whole canvas (B rows, C positions, N = max_deno
                                          only asks whether the new draft equals every one of them)
     uniforms, noise (N, B, C)            the canvas's draws, made ahead and uploaded once (below)
     flags (N, B*C)                       the sampling kernel's NaN / +inf / no-finite flags of every step
+    step (1,), temperatures (N,)         the step index (advanced on the device) and each step's temperature
     the self-conditioning buffer         ``GpuBackend.buffer``, as in the per-step backend
     per-step records (N, ...)            draft, sampled, entropies, accepted, canvas, finished: only when a
                                          callback asked for steps; copied to the host once, after the canvas
 
-Each step is the spec's (``reference.generate.denoise_canvas``) in device arrays: the decoder pass (from the
-second pass with self-conditioning on, the pass captured once and replayed, ``graph.py``, when
-``GpuBackend.graphs``; its canvas is copied into one fixed input buffer first) and the sampling kernel for
-the rows the host knows to be live, the acceptance kernel, the freezing of finished
-rows (``where``), and the stopping rule: stable (the draft equals each of the last s drafts) and confident
-(mean entropy < γ, with NumPy's float32 pairwise summation reproduced by ``pairwise_mean``, so that the
-decision is the reference's bit for bit).
+Each step is the spec's (``reference.generate.denoise_canvas``) as four things issued to the device, each
+reading the step index from a device counter, so that a step issues the same launches on the same buffers
+every time: the decoder pass (reading the canvas, or for some rows a fixed copy of theirs), ``dg_sample_step``
+(the temperature of the step from a (N,) table, its uniforms from the canvas's draws), ``dg_step_update``
+(acceptance and renoising, the freezing of finished rows, the stable-and-confident rule: the draft equals each
+of the last s drafts and the mean entropy, NumPy's float32 pairwise mean as ``pairwise_mean`` spells it, is
+below γ; the per-step records) and ``dg_step_end`` (the stop flag below, then the step index advances). With
+``GpuBackend.graphs`` the whole step is captured once per canvas (and again when the live rows change), from
+the second step on, with self-conditioning on, and replayed (``graph.py``): one CUDA graph launch per step on
+a GPU, the recorded plan of launches run by the executor on cuda-sim.
 
-The host reads back, every ``sync_every`` steps, one small int32 array: ``finish_step`` and one flag per
-step of that stretch (did the sampling kernel flag anything). That is the stop flag: when every row has
+The host reads back, every ``sync_every`` steps, one small int32 array: one flag per step of that stretch
+(did the sampling kernel flag anything) followed by ``finish_step`` (``dg_step_end`` writes both into ``status``
+so that they are one contiguous slice). That is the stop flag: when every row has
 stopped, the canvas ends at the step the last row stopped; the steps already issued after it are no-ops on
 the device (every row is frozen), so the results are the same as stopping at once. The committed draft is
 read once, after the last step. A flagged step raises the reference's ``SamplingError`` for the first flagged
@@ -131,12 +136,18 @@ class _Records:
         self.sampled = dev.empty((N, B, C), np.int64)
         self.canvas = dev.empty((N, B, C), np.int64)
         self.entropies = dev.empty((N, B, C), np.float32)
-        self.accepted = dev.empty((N, B, C), np.bool_)
-        self.finished = dev.empty((N, B), np.bool_)
+        self.accepted = dev.empty((N, B, C), np.uint8)
+        self.finished = dev.empty((N, B), np.uint8)
+
+    def arrays(self) -> tuple:
+        """In the order of ``launch.step_update``'s ``records``."""
+        return self.draft, self.sampled, self.canvas, self.entropies, self.accepted, self.finished
 
     def to_host(self, dev: Any, steps: int) -> dict:
-        return {name: dev.to_host(getattr(self, name)[:steps])
-                for name in ("draft", "sampled", "canvas", "entropies", "accepted", "finished")}
+        out = {name: dev.to_host(getattr(self, name)[:steps])
+               for name in ("draft", "sampled", "canvas", "entropies", "accepted", "finished")}
+        out["accepted"], out["finished"] = out["accepted"] != 0, out["finished"] != 0
+        return out
 
 
 def run_canvas(backend: Any, k: int, canvas: np.ndarray, draws: SeededDraws, stopper: Any, config: Any,
@@ -156,25 +167,39 @@ def run_canvas(backend: Any, k: int, canvas: np.ndarray, draws: SeededDraws, sto
     bound = config.entropy_bound
     uniforms, noise, states = prefetch_draws(draws, N, B, C, V)
     s = 0 if stopper is None else stopper.stability_threshold
-    gamma = None if stopper is None else np.float32(stopper.confidence_threshold)
+    gamma = 0.0 if stopper is None else float(np.float32(stopper.confidence_threshold))
     every = max(1, int(getattr(backend, "sync_every", SYNC_EVERY)))
 
-    u_dev, noise_dev = dev.to_device(uniforms), dev.to_device(noise)
-    canvas_dev = dev.to_device(canvas)
-    draft_dev = canvas_dev.copy()
+    # every buffer a step reads or writes, fixed for the whole canvas (a captured step replays on them)
+    u_dev, noise_dev = dev.to_device(uniforms.reshape(N, B * C)), dev.to_device(noise)
+    temps_dev = dev.to_device(np.array([0.0 if t is None else t for t in temps], dtype=np.float32))
+    step_dev = dev.zeros((1,), np.int32)  # the step index, advanced on the device by each step's last kernel
+    state = dev.to_device(np.stack([canvas, canvas]).astype(np.int64))  # the canvas, and the draft: it starts as the canvas
+    canvas_dev, draft_dev = state[0], state[1]
     entropies_dev = dev.zeros((B, C), np.float32)
-    finished_dev = dev.zeros((B,), np.bool_)
+    finished_dev = dev.zeros((B,), np.uint8)
     finish_step = dev.empty((B,), np.int32)
     finish_step.fill(N)
     history = dev.empty((max(s, 1), B, C), np.int64)
     history.fill(-1)
     flags = dev.zeros((N, B * C), np.int32)
-    accepted_dev, next_dev = dev.empty((B, C), np.uint8), dev.empty((B, C), np.int64)
+    status = dev.zeros((N + B,), np.int32)  # per step: its flag, then every row's finish step (dg_step_end)
     out = backend.outputs(B * C)
+    argmax, entropy, sampled = out.argmax[:B * C], out.entropy[:B * C], out.sampled[:B * C]
     records = _Records(dev, N, B, C) if callback is not None else None
+    logits = backend.buffer.reshape(B * C, V)
+
+    def tail(device: Any, rows: Any, step_cap: float) -> None:
+        """A step after its decoder pass: sampling, acceptance and stop state, then the step index advances."""
+        device.launch(gl.sample_step(logits, rows, step_cap, temps_dev, step_dev, u_dev, argmax, entropy, sampled,
+                                     flags))
+        device.launch(gl.step_update(argmax, entropy, sampled, noise_dev, step_dev, bound, stopper is not None, s,
+                                     gamma, canvas_dev, draft_dev, entropies_dev, finished_dev, finish_step, history,
+                                     None if records is None else records.arrays()))
+        device.launch(gl.step_end(flags, finish_step, status, step_dev))
 
     graphs = bool(getattr(backend, "graphs", False))
-    plan = plan_key = direct_key = canvas_in = None  # the captured decoder pass, for the live rows plan_key
+    plan = plan_key = direct_key = None  # the captured step, for the live rows plan_key
     live = np.arange(B)  # rows the host knows to be denoising (decoded and sampled)
     live_dev = flat_dev = None
     live_at: list[np.ndarray] = []  # the live rows of each issued step
@@ -189,76 +214,35 @@ def run_canvas(backend: Any, k: int, canvas: np.ndarray, draws: SeededDraws, sto
                 flat_dev = dev.to_device(_flat(live, C))
                 live_dev = None if n == B else dev.to_device(live)
             live_at.append(live)
-            R = n * C
-            step_cap = cap
             if backend.logits_hook is None:
                 key = live.tobytes()
-                if graphs and backend.has_sc and (plan_key == key or direct_key == key):
-                    # the pass reads its canvas from a fixed buffer: replay the captured pass (graph.py)
-                    if plan_key != key:
-                        canvas_in = dev.empty((n, C), np.int64)
-                    if n == B:
-                        xp.copyto(canvas_in, canvas_dev)
-                    else:
-                        xp.take(canvas_dev, live_dev, axis=0, out=canvas_in)
-                    if plan_key == key:
-                        graph.replay(dev, plan)
-                    else:
-                        plan, plan_key = graph.capture(dev, lambda rec, x=canvas_in, rows=live: _decode_on(
-                            rec, model, x, backend, rows)), key
+                if graphs and backend.has_sc and plan_key == key:
+                    graph.replay(dev, plan)  # the whole step: one CUDA graph launch on a GPU
+                elif graphs and backend.has_sc and direct_key == key:
+                    # capture the whole step (graph.py): the decoder pass reads the canvas from a fixed buffer
+                    canvas_in = canvas_dev if n == B else dev.empty((n, C), np.int64)
+                    plan = graph.capture(dev, lambda rec, x=canvas_in, rows=live, flat=flat_dev, at=live_dev: (
+                        _step_on(rec, model, backend, canvas_dev, x, at, rows, flat, tail, cap)))
+                    plan_key = key
                 else:
                     rows_canvas = canvas_dev if n == B else canvas_dev[live_dev]
                     model._decoder_logits(rows_canvas, backend.cache, live, backend.buffer, backend.has_sc)
+                    tail(dev, flat_dev, cap)
                     direct_key = key  # the pass's inputs are uploaded (model._decoder_inputs): capture next
             else:  # tests: host logits of the canvas replace the decoder (a copy each way, as in GpuBackend.step)
-                logits = np.asarray(backend.logits_hook(dev.to_host(canvas_dev), live), dtype=np.float32)
-                backend.buffer[dev.to_device(live)] = dev.to_device(logits[live])
-                step_cap = 0.0
-            step_u = u_dev[j] if n == B else u_dev[j][live_dev]
-            temp = temps[j]
-            dev.launch(gl.sample_rows(backend.buffer.reshape(B * C, V), flat_dev, step_cap,
-                                      0.0 if temp is None else float(temp), step_u.reshape(-1), out.argmax[:R],
-                                      out.entropy[:R], out.sampled[:R], flags[j, :R]))
+                hooked = np.asarray(backend.logits_hook(dev.to_host(canvas_dev), live), dtype=np.float32)
+                backend.buffer[dev.to_device(live)] = dev.to_device(hooked[live])
+                tail(dev, flat_dev, 0.0)
             backend.has_sc = True
-            if n == B:
-                new_draft, new_entropies = out.argmax.reshape(B, C), out.entropy.reshape(B, C)
-                new_sampled = out.sampled.reshape(B, C)
-            else:  # rows not decoded are finished: whatever they hold is replaced by their frozen values
-                new_draft, new_entropies, new_sampled = draft_dev.copy(), entropies_dev.copy(), canvas_dev.copy()
-                new_draft[live_dev] = out.argmax[:R].reshape(n, C)
-                new_entropies[live_dev] = out.entropy[:R].reshape(n, C)
-                new_sampled[live_dev] = out.sampled[:R].reshape(n, C)
-            dev.launch(gl.accept_renoise(new_entropies, new_sampled, noise_dev[j], bound, accepted_dev, next_dev))
-            frozen = finished_dev[:, None]
-            draft_dev = xp.where(frozen, draft_dev, new_draft)  # (h) finished rows keep their state
-            step_entropies = xp.where(frozen, entropies_dev, new_entropies)
-            if records is not None:
-                records.sampled[j] = xp.where(frozen, canvas_dev, new_sampled)
-                records.accepted[j] = xp.logical_and(accepted_dev != 0, xp.logical_not(frozen))
-            canvas_dev = xp.where(frozen, canvas_dev, next_dev)
-            entropies_dev = step_entropies
-            if stopper is not None:  # (i) stable and confident
-                if s == 0:
-                    stop = pairwise_mean(xp, step_entropies) < gamma
-                else:
-                    stable = xp.all(history == draft_dev[None], axis=(0, 2))
-                    history[j % s] = draft_dev
-                    stop = xp.logical_and(stable, pairwise_mean(xp, step_entropies) < gamma)
-                finish_step[...] = xp.where(xp.logical_and(stop, xp.logical_not(finished_dev)), j, finish_step)
-                finished_dev = xp.logical_or(finished_dev, stop)
-            if records is not None:
-                records.draft[j], records.canvas[j] = draft_dev, canvas_dev
-                records.entropies[j], records.finished[j] = entropies_dev, finished_dev
-        # the stop flag: when each row stopped, and whether a step of this stretch flagged a logit
-        status = dev.to_host(xp.concatenate([finish_step, xp.any(flags[i:end] != 0, axis=1).astype(np.int32)]))
-        host_finish = status[:B]
-        stretch_flags = status[B:]
+        # the stop flag: whether each step of this stretch flagged a logit, then when each row stopped
+        found = dev.to_host(status[i:end + B])
+        stretch_flags, host_finish = found[:end - i], found[end - i:]
         if (host_finish < N).all():
             executed = int(host_finish.max()) + 1
         last = N if executed is None else executed
         for j in range(i, min(end, last)):
             if stretch_flags[j - i]:
-                _raise_for_step(dev, flags[j], live_at[j], host_finish, j, C, temps[j])
+                _raise_for_step(dev, flags[j], live_at[j], host_finish, j, B, C, temps[j])
         still = np.flatnonzero(host_finish == N)
         if executed is None and still.shape[0] != live.shape[0]:
             live, flat_dev = still, None
@@ -282,6 +266,16 @@ def run_canvas(backend: Any, k: int, canvas: np.ndarray, draws: SeededDraws, sto
     return semantics.commit(draft, canvas, host_finish < N), executed
 
 
+def _step_on(device: Any, model: Any, backend: Any, canvas: Any, canvas_in: Any, live_dev: Any, rows: np.ndarray,
+             flat: Any, tail: Any, cap: float) -> None:
+    """One whole step issued to ``device`` (a capture's recorder): the live rows' canvas into the pass's fixed
+    input (all rows: the canvas itself), the decoder pass with self-conditioning, then ``tail``."""
+    if canvas_in is not canvas:
+        device.xp.take(canvas, live_dev, axis=0, out=canvas_in)
+    _decode_on(device, model, canvas_in, backend, rows)
+    tail(device, flat, cap)
+
+
 def _decode_on(device: Any, model: Any, canvas: Any, backend: Any, rows: np.ndarray) -> None:
     """The decoder pass of ``rows`` (with self-conditioning) issued to ``device`` (a capture's recorder)."""
     own = model.device
@@ -296,13 +290,13 @@ def _flat(rows: np.ndarray, C: int) -> np.ndarray:
     return (np.asarray(rows, dtype=np.int64)[:, None] * C + np.arange(C)).reshape(-1).astype(np.int32)
 
 
-def _raise_for_step(dev: Any, step_flags: Any, live: np.ndarray, finish: np.ndarray, j: int, C: int,
+def _raise_for_step(dev: Any, step_flags: Any, live: np.ndarray, finish: np.ndarray, j: int, B: int, C: int,
                     temp: Any) -> None:
-    """Raise the reference's error for step ``j``'s first flagged position of a row still denoising then."""
+    """Raise the reference's error for step ``j``'s first flagged position of a row still denoising then
+    (step_flags: (B*C,), the flags of every row; rows not decoded at step ``j`` hold 0)."""
     from .sampling import raise_for_flags
 
-    R = live.shape[0] * C
-    host = dev.to_host(step_flags)[:R].reshape(live.shape[0], C)
+    host = dev.to_host(step_flags).reshape(B, C)[live]
     host[finish[live] < j] = 0  # a row that stopped before step j: its outputs were discarded
     if host.any():
         raise_for_flags(host.reshape(-1), _flat(live, C), C, temp)

@@ -1,9 +1,10 @@
-"""A decoder pass captured once and replayed: a CUDA graph on a GPU, the recorded plan of launches on cuda-sim.
+"""A denoising step captured once and replayed: a CUDA graph on a GPU, the recorded plan of launches on cuda-sim.
 
-Within a canvas, every decoder pass after the first with self-conditioning issues the same launches on the
-same arrays: the canvas is read from one fixed input buffer, the logits go to the backend's one (B, C, V)
-buffer, the cache, positions and RoPE tables do not change, and every intermediate array the pass allocates
-is kept by the plan (so its address stays valid). ``capture(device, fn)`` runs ``fn(recorder)`` once, with a
+Within a canvas, every step after the first with self-conditioning issues the same launches on the same
+arrays (``canvas.py``): the decoder pass reads the canvas from one fixed buffer, the logits go to the
+backend's one (B, C, V) buffer, the cache, positions and RoPE tables do not change, the sampling, acceptance
+and stop-state kernels read the step index, temperature and draws from device memory, and every intermediate
+array the step allocates is kept by the plan (so its address stays valid). ``capture(device, fn)`` runs ``fn(recorder)`` once, with a
 device that records what the pass does:
 
 * on cuda-sim (and any device whose array module is NumPy) the operations are executed as they are

@@ -575,3 +575,80 @@ def accept_renoise(entropy, sampled, noise, bound: float, accepted, next_canvas)
     return _launch(k, max(B, 1), const("DG_ACCEPT_THREADS"), (entropy, sampled, noise, B, C, bound, accepted,
                                                              next_canvas),
                    smem)
+
+
+def sample_step(logits, rows, cap: float, temps, step, uniforms, argmax, entropy, sampled, flags) -> Launch:
+    """The sampling pass of one step of a captured canvas loop (see ``dg_sample_step``): the same launch at
+    every step, the step index read from ``step`` (1,) int32. logits (B*C, V) float32; rows (R,) int32 flat
+    rows b*C + c; temps (N,) float32 (0: no temperature); uniforms and flags (N, B*C) float64 / int32;
+    argmax, sampled (B*C,) int64; entropy (B*C,) float32."""
+    k = "dg_sample_step"
+    _ndim(k, "logits", logits, 2)
+    n, V = logits.shape
+    _ndim(k, "rows", rows, 1)
+    _ndim(k, "temps", temps, 1)
+    N = temps.shape[0]
+    _shape(k, "step", step, (1,))
+    for name, a in (("uniforms", uniforms), ("flags", flags)):
+        _shape(k, name, a, (N, n))
+    for name, a in (("argmax", argmax), ("entropy", entropy), ("sampled", sampled)):
+        _shape(k, name, a, (n,))
+    if not cap >= 0:
+        raise LaunchError(f"{k}: cap ({cap}) must be >= 0 (0 = not applied)")
+    smem = 8 * -(-V // const("DG_SAMPLE_CHUNK"))
+    if smem + sample_static_shared() > DEFAULT_SHARED_LIMIT:
+        raise LaunchError(f"{k}: vocabulary {V} needs {smem} bytes of chunk sums, and the kernel's static shared "
+                          f"memory {sample_static_shared()} more (> {DEFAULT_SHARED_LIMIT})")
+    R = rows.shape[0]
+    return _launch(k, max(R, 1), const("DG_SAMPLE_THREADS"),
+                   (logits, rows, R, V, cap, temps, step, uniforms, n, argmax, entropy, sampled, flags), smem)
+
+
+def step_update(argmax, entropy, sampled, noise, step, bound: float, stop_rule: bool, stability: int,
+                gamma: float, canvas, draft, entropies, finished, finish_step, history, records=None) -> Launch:
+    """Acceptance, renoising, freezing and the stopping rule of one captured step (see ``dg_step_update``).
+    argmax, sampled (B*C,) int64 and entropy (B*C,) float32 (``sample_step``'s outputs); noise (N, B, C) int64;
+    step (1,) int32; canvas, draft (B, C) int64; entropies (B, C) float32; finished (B,) uint8; finish_step (B,)
+    int32; history (max(stability, 1), B, C) int64; records: None or (draft, sampled, canvas, entropies,
+    accepted, finished) of shapes (N, B, C) and (N, B)."""
+    k = "dg_step_update"
+    _ndim(k, "canvas", canvas, 2)
+    B, C = canvas.shape
+    _ndim(k, "noise", noise, 3)
+    N = noise.shape[0]
+    _shape(k, "noise", noise, (N, B, C))
+    for name, a in (("argmax", argmax), ("entropy", entropy), ("sampled", sampled)):
+        _shape(k, name, a, (B * C,))
+    _shape(k, "step", step, (1,))
+    for name, a in (("draft", draft), ("entropies", entropies)):
+        _shape(k, name, a, (B, C))
+    for name, a in (("finished", finished), ("finish_step", finish_step)):
+        _shape(k, name, a, (B,))
+    if stability < 0:
+        raise LaunchError(f"{k}: stability {stability} must be >= 0")
+    _shape(k, "history", history, (max(stability, 1), B, C))
+    if records is None:
+        records = (None,) * 6
+    else:
+        for name, a in zip(("rec_draft", "rec_sampled", "rec_canvas", "rec_entropies", "rec_accepted"), records[:5]):
+            _shape(k, name, a, (N, B, C))
+        _shape(k, "rec_finished", records[5], (N, B))
+    smem = 9 * C
+    if smem > DEFAULT_SHARED_LIMIT:
+        raise LaunchError(f"{k}: canvas length {C} needs {smem} bytes of shared memory (> {DEFAULT_SHARED_LIMIT})")
+    return _launch(k, max(B, 1), const("DG_ACCEPT_THREADS"),
+                   (argmax, entropy, sampled, noise, step, B, C, bound, int(bool(stop_rule)), stability,
+                    gamma, canvas, draft, entropies, finished, finish_step, history, *records), smem)
+
+
+def step_end(flags, finish_step, status, step) -> Launch:
+    """The end of one captured step (see ``dg_step_end``): flags (N, n) int32; finish_step (B,) int32; status
+    (N + B,) int32; step (1,) int32, advanced by one."""
+    k = "dg_step_end"
+    _ndim(k, "flags", flags, 2)
+    N, n = flags.shape
+    _ndim(k, "finish_step", finish_step, 1)
+    B = finish_step.shape[0]
+    _shape(k, "status", status, (N + B,))
+    _shape(k, "step", step, (1,))
+    return _launch(k, 1, const("DG_ACCEPT_THREADS"), (flags, n, finish_step, B, status, step))

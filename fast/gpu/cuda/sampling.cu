@@ -90,17 +90,13 @@ __device__ long long dg_cdf_exact(const float* p, int vocab, double u) {
 //   flags[i]   1 NaN, 2 +inf, 4 every entry -inf or vocab == 0 (the row is then left as it was; the host
 //              raises).
 // n_rows == 0 or vocab == 0 write nothing but flags (a grid of one block for n_rows == 0 writes nothing).
-extern "C" __global__ void __launch_bounds__(DG_SAMPLE_THREADS)
-dg_sample_rows(float* logits, const int* rows, int n_rows, int vocab, float cap, float temp,
-               const double* uniforms_opt, long long* argmax, float* entropy, long long* sampled, int* flags) {
-    extern __shared__ __align__(16) unsigned char dg_smem[];
-    double* chunk_sum = (double*)dg_smem;           // (ceil(vocab / DG_SAMPLE_CHUNK),)
-    __shared__ DgStats part[DG_SAMPLE_THREADS / 32];
-    __shared__ DgStats row_stats;
-    const int i = blockIdx.x;
-    if (i >= n_rows) return;
+// The work of one block on one row z of logits (dg_sample_rows, dg_sample_step): u_opt points at the row's
+// uniform (NULL: no draw); argmax, entropy, sampled, flags at the row's outputs; part, row_stats and
+// chunk_sum are the calling kernel's shared memory.
+__device__ __forceinline__ void dg_sample_row(float* z, int vocab, float cap, float temp, const double* u_opt,
+                                              long long* argmax, float* entropy, long long* sampled, int* flags,
+                                              DgStats* part, DgStats& row_stats, double* chunk_sum) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    float* z = logits + (long long)rows[i] * vocab;
 
     // pass 1: statistics, one element at a time per thread (strided, coalesced), then a block merge
     DgStats s;
@@ -133,10 +129,10 @@ dg_sample_rows(float* logits, const int* rows, int n_rows, int vocab, float cap,
         row_stats = t;
         int f = t.flags;
         if (f == 0 && t.m == -dg_inf()) f = 4;
-        flags[i] = f;
+        *flags = f;
         if (f == 0) {
-            argmax[i] = t.arg;
-            entropy[i] = (float)(log(t.S) - t.A / t.S);
+            *argmax = t.arg;
+            *entropy = (float)(log(t.S) - t.A / t.S);
         }
     }
     __syncthreads();
@@ -158,14 +154,14 @@ dg_sample_rows(float* logits, const int* rows, int n_rows, int vocab, float cap,
         acc = dg_warp_sum_d(acc);
         if (lane == 0) chunk_sum[c] = acc;
     }
-    if (!uniforms_opt) return;
+    if (!u_opt) return;
     __syncthreads();                                 // every probability and chunk sum is stored
     if (warp != 0) return;
 
     // pass 3 (warp 0): locate the chunk, then scan inside it 32 entries at a time (see the head comment)
     double row_total = 0.0;
     for (int c = 0; c < n_chunks; ++c) row_total += chunk_sum[c];
-    const double u = uniforms_opt[i];
+    const double u = *u_opt;
     const double target = u * row_total;
     const double margin = ((double)vocab + 2.0) * 8.8817841970012523e-16 * row_total;   // (V + 2) 2^-50 T
     long long found = -1;                            // -1: not located yet; -2: too close to call
@@ -197,7 +193,40 @@ dg_sample_rows(float* logits, const int* rows, int n_rows, int vocab, float cap,
         base += chunk_sum[c];
     }
     if (found < 0 && lane == 0) found = dg_cdf_exact(z, vocab, u);   // undecided, or the target at the total
-    if (lane == 0) sampled[i] = found;
+    if (lane == 0) *sampled = found;
+}
+
+extern "C" __global__ void __launch_bounds__(DG_SAMPLE_THREADS)
+dg_sample_rows(float* logits, const int* rows, int n_rows, int vocab, float cap, float temp,
+               const double* uniforms_opt, long long* argmax, float* entropy, long long* sampled, int* flags) {
+    extern __shared__ __align__(16) unsigned char dg_smem[];
+    __shared__ DgStats part[DG_SAMPLE_THREADS / 32];
+    __shared__ DgStats row_stats;
+    const int i = blockIdx.x;
+    if (i >= n_rows) return;
+    dg_sample_row(logits + (long long)rows[i] * vocab, vocab, cap, temp, uniforms_opt ? uniforms_opt + i : nullptr,
+                  argmax + i, entropy + i, sampled + i, flags + i, part, row_stats, (double*)dg_smem);
+}
+
+// dg_sample_rows for one denoising step of a canvas whose step is captured once and replayed (fast/gpu/canvas.py):
+// every per-step value is read from device memory at the step index *step (advanced by dg_step_end), so the
+// launch's arguments are the same at every step. Row i of the launch is logits row r = rows[i] of (B*C, vocab),
+// r = b*C + c; its temperature is temps[*step] (0: none), its uniform uniforms[*step * stride + r]; its outputs
+// go to argmax[r], entropy[r], sampled[r] (arrays of B*C) and its flags to flags[*step * stride + r] (stride:
+// B*C). The same results as dg_sample_rows with those arguments.
+extern "C" __global__ void __launch_bounds__(DG_SAMPLE_THREADS)
+dg_sample_step(float* logits, const int* rows, int n_rows, int vocab, float cap, const float* temps,
+               const int* step, const double* uniforms, long long stride, long long* argmax, float* entropy,
+               long long* sampled, int* flags) {
+    extern __shared__ __align__(16) unsigned char dg_smem[];
+    __shared__ DgStats part[DG_SAMPLE_THREADS / 32];
+    __shared__ DgStats row_stats;
+    const int i = blockIdx.x;
+    if (i >= n_rows) return;
+    const long long s = *step;
+    const long long r = rows[i];
+    dg_sample_row(logits + r * vocab, vocab, cap, temps[s], uniforms + s * stride + r, argmax + r, entropy + r,
+                  sampled + r, flags + s * stride + r, part, row_stats, (double*)dg_smem);
 }
 
 // Entropy-bound acceptance and renoising for B batch rows of C positions (one block per row, arrays
@@ -218,16 +247,10 @@ __device__ __forceinline__ bool dg_sorts_before(float o, int i, float h, int j) 
     return o < h || (o == h && i < j);
 }
 
-extern "C" __global__ void dg_accept_renoise(const float* entropy, const long long* sampled, const long long* noise,
-                                             int B, int C, float bound, unsigned char* accepted,
-                                             long long* next_canvas) {
-    extern __shared__ __align__(16) unsigned char dg_smem[];
-    float* sorted = (float*)dg_smem;                // (C,) entropies in ascending order
-    int* rank = (int*)(sorted + C);                 // (C,) rank of each position
-    unsigned char* ok = (unsigned char*)(rank + C); // (C,) acceptance of each rank
-    const int b = blockIdx.x;
-    if (b >= B) return;                             // uniform for the block
-    const float* H = entropy + (long long)b * C;
+// The ranks of one row's entropies H (C positions) and the acceptance of each rank (the block's shared
+// sorted, rank, ok; see dg_accept_renoise). Every thread of the block calls it; ends with a barrier.
+__device__ __forceinline__ void dg_accept_ranks(const float* H, int C, float bound, float* sorted, int* rank,
+                                                unsigned char* ok) {
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
         const float h = H[j];
         int r = 0;
@@ -248,10 +271,149 @@ extern "C" __global__ void dg_accept_renoise(const float* entropy, const long lo
         }
     }
     __syncthreads();
+}
+
+extern "C" __global__ void dg_accept_renoise(const float* entropy, const long long* sampled, const long long* noise,
+                                             int B, int C, float bound, unsigned char* accepted,
+                                             long long* next_canvas) {
+    extern __shared__ __align__(16) unsigned char dg_smem[];
+    float* sorted = (float*)dg_smem;                // (C,) entropies in ascending order
+    int* rank = (int*)(sorted + C);                 // (C,) rank of each position
+    unsigned char* ok = (unsigned char*)(rank + C); // (C,) acceptance of each rank
+    const int b = blockIdx.x;
+    if (b >= B) return;                             // uniform for the block
+    dg_accept_ranks(entropy + (long long)b * C, C, bound, sorted, rank, ok);
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
         const long long at = (long long)b * C + j;
         const unsigned char a = ok[rank[j]];
         accepted[at] = a;
         next_canvas[at] = a ? sampled[at] : noise[at];
     }
+}
+
+// NumPy's float32 pairwise summation of a[0..n) (pairwise_sum of numpy/_core/src/umath/loops_utils.h), the
+// same float32 additions in the same order as fast/gpu/canvas.py _pairwise_sum: below 8 values one by one from
+// 0; up to 128, eight running sums over blocks of 8, combined as ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)), then
+// the remainder; above, the two halves (the first a multiple of 8 long) summed separately.
+__device__ float dg_pairwise_sum(const float* a, int n) {
+    if (n < 8) {
+        float res = 0.0f;
+        for (int i = 0; i < n; ++i) res = res + a[i];
+        return res;
+    }
+    if (n <= 128) {
+        const int m = n - n % 8;
+        float r[8];
+        for (int k = 0; k < 8; ++k) r[k] = a[k];
+        for (int i = 8; i < m; i += 8)
+            for (int k = 0; k < 8; ++k) r[k] = r[k] + a[i + k];
+        float res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (int i = m; i < n; ++i) res = res + a[i];
+        return res;
+    }
+    int n2 = n / 2;
+    n2 -= n2 % 8;
+    return dg_pairwise_sum(a, n2) + dg_pairwise_sum(a + n2, n - n2);
+}
+
+// The rest of one denoising step after dg_sample_step, for B rows of C positions (one block per row, block
+// DG_ACCEPT_THREADS, dynamic shared memory 9 * C bytes as dg_accept_renoise; grid max(B, 1)), at the step
+// index s = *step (reference/generate.py denoise_canvas f-i):
+//   a row not finished (finished[b] == 0): entropy-bound acceptance of its new entropies entropy[b] (as
+//     dg_accept_renoise), canvas[b] = accepted ? sampled[b] : noise[s, b]; draft[b] = argmax[b];
+//     entropies[b] = entropy[b]. A finished row keeps its canvas, draft and entropies (SPEC 8.2 h).
+//   stop_rule != 0, the stable-and-confident rule: stable = every one of the `stability` rows of history
+//     (the last drafts, a ring (stability, B, C), -1 before any) equals the new draft (true for
+//     stability == 0); then history[s % stability, b] = draft[b]; confident = float32 mean of entropies[b]
+//     (NumPy's pairwise sum, divided in float64) < gamma. A row stable and confident is finished; if it was
+//     not yet, finish_step[b] = s.
+//   rec_*_opt (all given or none): this step's records at [s, b]: draft, canvas, entropies after the step,
+//     sampled (finished rows: their canvas before the step), accepted (0 for finished rows), finished.
+// argmax, sampled, canvas, draft, history, rec_draft, rec_sampled, rec_canvas: int64; entropy, entropies,
+// rec_entropies float32; finished, rec_accepted, rec_finished uint8; noise (N, B, C); finish_step (B,) int32.
+extern "C" __global__ void dg_step_update(const long long* argmax, const float* entropy, const long long* sampled,
+                                          const long long* noise, const int* step, int B, int C, float bound,
+                                          int stop_rule, int stability, float gamma, long long* canvas,
+                                          long long* draft, float* entropies, unsigned char* finished,
+                                          int* finish_step, long long* history, long long* rec_draft_opt,
+                                          long long* rec_sampled_opt, long long* rec_canvas_opt,
+                                          float* rec_entropies_opt, unsigned char* rec_accepted_opt,
+                                          unsigned char* rec_finished_opt) {
+    extern __shared__ __align__(16) unsigned char dg_smem[];
+    float* sorted = (float*)dg_smem;
+    int* rank = (int*)(sorted + C);
+    unsigned char* ok = (unsigned char*)(rank + C);
+    __shared__ int stop, ring;                      // the row stops; the history slot to write (-1: none)
+    const int b = blockIdx.x;
+    if (b >= B) return;                             // uniform for the block
+    const long long s = *step;
+    const long long row = (long long)b * C;
+    const long long here = s * B * C + row;         // this row of step s in (N, B, C)
+    const bool frozen = finished[b] != 0;
+    if (!frozen) dg_accept_ranks(entropy + row, C, bound, sorted, rank, ok);
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+        const long long at = row + j;
+        const long long before = canvas[at];
+        if (rec_sampled_opt) rec_sampled_opt[here + j] = frozen ? before : sampled[at];
+        if (rec_accepted_opt) rec_accepted_opt[here + j] = frozen ? 0 : ok[rank[j]];
+        if (!frozen) {
+            canvas[at] = ok[rank[j]] ? sampled[at] : noise[here + j];
+            draft[at] = argmax[at];
+            entropies[at] = entropy[at];
+        }
+    }
+    __syncthreads();
+    // (after a barrier, conditions read shared memory only: a kernel parameter tested by thread 0 alone before
+    // the barrier and by every thread after it would let the compiler give thread 0 its own copy of the barrier)
+    if (threadIdx.x == 0) {
+        int stable = 1;
+        for (int t = 0; t < stability && stable; ++t) {
+            const long long* past = history + (long long)t * B * C + row;
+            for (int j = 0; j < C; ++j)
+                if (past[j] != draft[row + j]) { stable = 0; break; }
+        }
+        const float mean = (float)((double)dg_pairwise_sum(entropies + row, C) / (double)C);
+        stop = (stop_rule != 0) & (stable != 0) & (mean < gamma);
+        ring = stop_rule != 0 && stability > 0 ? (int)(s % stability) : -1;
+    }
+    __syncthreads();
+    const int slot = ring;
+    if (slot >= 0) {
+        long long* past = history + (long long)slot * B * C + row;
+        for (int j = threadIdx.x; j < C; j += blockDim.x) past[j] = draft[row + j];
+    }
+    if (threadIdx.x == 0) {
+        const int stopped = stop;
+        if (stopped && !frozen) finish_step[b] = (int)s;
+        if (stopped) finished[b] = 1;
+        if (rec_finished_opt) rec_finished_opt[s * B + b] = frozen || stopped;
+    }
+    if (rec_draft_opt) {
+        for (int j = threadIdx.x; j < C; j += blockDim.x) {
+            rec_draft_opt[here + j] = draft[row + j];
+            rec_canvas_opt[here + j] = canvas[row + j];
+            rec_entropies_opt[here + j] = entropies[row + j];
+        }
+    }
+}
+
+// The end of a captured step (one block of DG_ACCEPT_THREADS threads): status[s] = 1 if any of the step's
+// n sampling flags flags[s * n .. s * n + n) is set, else 0; status[s + 1 + b] = finish_step[b] for the B
+// rows; then the step index advances: *step = s + 1. After step s, status[i .. s + 1 + B) holds the flags of
+// steps i..s followed by every row's finish step (the host's stop flag, fast/gpu/canvas.py); status has
+// N + B entries.
+extern "C" __global__ void dg_step_end(const int* flags, long long n, const int* finish_step, int B, int* status,
+                                       int* step) {
+    __shared__ int any;
+    const long long s = *step;
+    if (threadIdx.x == 0) any = 0;
+    __syncthreads();
+    int mine = 0;
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) mine |= flags[s * n + i] != 0;
+    if (mine) atomicMax(&any, 1);
+    __syncthreads();
+    if (threadIdx.x == 0) status[s] = any;
+    for (int b = threadIdx.x; b < B; b += blockDim.x) status[s + 1 + b] = finish_step[b];
+    __syncthreads();
+    if (threadIdx.x == 0) *step = (int)(s + 1);
 }
