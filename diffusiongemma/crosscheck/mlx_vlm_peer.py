@@ -35,6 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from diffusiongemma.reference.support.config_io import per_layer_overrides
+from diffusiongemma.reference.support.errors import ConfigError
+
 from .common import Call, ForwardInputs, PeerRun, PeerUnavailable, run_forward
 
 NAME = "mlx-vlm"
@@ -70,11 +73,13 @@ def full_layer_shape(text: dict) -> tuple[int, int] | None:
             return None
         kv = text.get("num_global_key_value_heads")
         return int(text.get("global_head_dim", 512)), int(kv) if kv is not None else kv_heads
-    if not isinstance(per_layer, dict):
-        raise PeerUnavailable(f"text_config.per_layer_config must be an object, got {per_layer!r:.60}")
+    try:  # keys as transformers writes them ("05") or plainly ("5", 5): one reading for every peer
+        per_layer = per_layer_overrides(per_layer, len(types))
+    except ConfigError as error:
+        raise PeerUnavailable(f"text_config.{error}") from None
     shapes, sliding = {}, []
     for i, kind in enumerate(types):
-        over = per_layer.get(str(i), per_layer.get(i)) or {}
+        over = per_layer.get(i) or {}
         if kind == "full_attention":
             shapes[i] = (int(over.get("head_dim", head_dim)), int(over.get("num_key_value_heads", kv_heads)))
         elif over:

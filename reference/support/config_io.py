@@ -7,8 +7,9 @@ Upstream behaviours reproduced (transformers 5.24.0, ``configuration_diffusion_g
   full is forced to full upstream (with a warning). We refuse such a config instead (``config_checks``):
   silently changing the architecture of a checkpoint hides a broken file.
 * Full-attention layers take their head dim and KV-head count from ``per_layer_config`` (5.15+; a key an
-  entry leaves out keeps the text config's value) or, in older files, from ``global_head_dim`` (default
-  512) and ``num_global_key_value_heads``.
+  entry leaves out keeps the text config's value; its keys are layer indices, which ``save_pretrained``
+  zero-pads to a common width: "05" for layer 5 of 30) or, in older files, from ``global_head_dim``
+  (default 512) and ``num_global_key_value_heads``.
 * ``final_logit_softcapping`` is a class attribute upstream (30.0) that ``save_pretrained`` does not always
   write; absent means 30.0.
 * ``canvas_length`` lives in the top-level config (default 256).
@@ -72,6 +73,30 @@ def model_config_fields(data: Mapping[str, Any], field_names: Sequence[str]) -> 
     return data
 
 
+
+def per_layer_overrides(per_layer: Any, n_layers: int) -> dict[int, Any]:
+    """``per_layer_config`` as {layer index: entry}. transformers 5.15+ writes the keys as layer indices
+    zero-padded to a common width ("05", "11", ..., "29" for 30 layers: ``save_pretrained`` of a
+    ``DiffusionGemmaConfig``), older writers and hand-made files as plain "5" or JSON integers; every
+    spelling of one index means that layer. Raises ``ConfigError`` for a value that is not an object, a key
+    that is not a non-negative integer, an index outside [0, n_layers), or two keys naming one layer."""
+    if not isinstance(per_layer, Mapping):
+        raise ConfigError(f"per_layer_config must be an object, got {per_layer!r:.80}")
+    out: dict[int, Any] = {}
+    for key, entry in per_layer.items():
+        text_key = str(key).strip()
+        if isinstance(key, bool) or not text_key.isdigit():
+            raise ConfigError(f"per_layer_config key {key!r} is not a layer index")
+        index = int(text_key)
+        if index >= n_layers:
+            raise ConfigError(f"per_layer_config key {key!r} names layer {index}, but the model has "
+                              f"{n_layers} layers (0..{n_layers - 1})")
+        if index in out:
+            raise ConfigError(f"per_layer_config names layer {index} twice (key {key!r})")
+        out[index] = entry
+    return out
+
+
 def transformers_fields(config: Mapping[str, Any], SLIDING: str, FULL: str) -> dict[str, Any]:
     """The ``ModelConfig`` fields of a transformers ``config.json`` dict (``diffusion_gemma`` or its text
     config), with upstream's defaults.
@@ -126,11 +151,10 @@ def transformers_fields(config: Mapping[str, Any], SLIDING: str, FULL: str) -> d
         if text.get("num_global_key_value_heads") is not None:
             overrides["num_key_value_heads"] = text["num_global_key_value_heads"]
         per_layer = {str(i): overrides for i, t in enumerate(layer_types) if t == FULL}
-    elif not isinstance(per_layer, Mapping):
-        raise ConfigError(f"per_layer_config must be an object, got {per_layer!r}")
+    per_layer = per_layer_overrides(per_layer, len(layer_types))
     layer_head_dim, layer_kv = [], []
     for i in range(len(layer_types)):
-        over = per_layer.get(str(i), per_layer.get(i, {})) or {}
+        over = per_layer.get(i) or {}
         if not isinstance(over, Mapping):
             raise ConfigError(f"per_layer_config[{i}] must be an object, got {over!r:.80}")
         for key, value in over.items():
