@@ -53,7 +53,7 @@ from .backend import CpuBackend
 from .blas import CPU_ARRAYS
 from .cache import KVCache
 from .experts import ExpertPanels
-from .weights import LayerWeights, pack
+from .weights import LAYER_TENSOR_NAMES, LayerWeights, pack
 
 DEVICES = ("cpu",)  # devices this module can run on ("cuda" lives elsewhere)
 
@@ -371,16 +371,8 @@ class Model:
         out = {p + "q_proj": w.qkv[:nq], p + "k_proj": w.qkv[nq:nq + nk]}
         if w.sliding:
             out[p + "v_proj"] = w.qkv[nq + nk:]
-        fields = {"o_proj": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm", "input_norm": "input_layernorm",
-                  "post_attention_norm": "post_attention_layernorm", "pre_ffn_norm": "pre_feedforward_layernorm",
-                  "mlp_down": "mlp.down_proj", "post_ffn_norm_1": "post_feedforward_layernorm_1",
-                  "router": "router.proj", "router_scale": "router.scale", "per_expert_scale": "router.per_expert_scale",
-                  "pre_ffn_norm_2": "pre_feedforward_layernorm_2", "expert_gate_up": "experts.gate_up_proj",
-                  "expert_down": "experts.down_proj", "post_ffn_norm_2": "post_feedforward_layernorm_2",
-                  "post_ffn_norm": "post_feedforward_layernorm", "encoder_scalar": "encoder_layer_scalar",
-                  "decoder_scalar": "decoder_layer_scalar"}
         out.update({p + "mlp.gate_proj": w.mlp_gate_up[:I], p + "mlp.up_proj": w.mlp_gate_up[I:]})
-        out.update({p + name: np.asarray(getattr(w, field)) for field, name in fields.items()
+        out.update({p + name: np.asarray(getattr(w, field)) for field, name in LAYER_TENSOR_NAMES.items()
                     if getattr(w, field) is not None})
         if w.experts is not None:  # the panel layout: Q8_0 values are int8 (finite), their scales may not be
             panels = w.experts

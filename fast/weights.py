@@ -19,7 +19,7 @@ import numpy as np
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.support.quantized import is_bfloat16, widen
 
-__all__ = ["LayerWeights", "PackedWeights", "pack", "host_float32", "MATRICES_KEPT_BF16"]
+__all__ = ["LayerWeights", "PackedWeights", "pack", "host_float32", "MATRICES_KEPT_BF16", "LAYER_TENSOR_NAMES"]
 
 #: The fields ``pack(keep_bf16=True)`` keeps bfloat16 when every tensor they are built from is: the products
 #: ``x @ W.T`` of the attention, the dense MLP and the self-conditioning MLP. The embedding stays float32:
@@ -62,6 +62,19 @@ class LayerWeights:
     encoder_scalar: np.float32  # layer scalar of the encoder stack
     decoder_scalar: np.float32  # layer scalar of the decoder stack
     experts: Any = None  # the experts in a backend's own layout (CPU: fast.experts.ExpertPanels), or None
+
+
+#: ``LayerWeights`` fields kept as one checkpoint tensor each -> that tensor's name under ``layers.{l}.``
+#: (the diagnosis of non-finite logits names tensors by these; q/k/v and the fused gate/up are split apart).
+LAYER_TENSOR_NAMES = {
+    "o_proj": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm", "input_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "pre_ffn_norm": "pre_feedforward_layernorm",
+    "mlp_down": "mlp.down_proj", "post_ffn_norm_1": "post_feedforward_layernorm_1", "router": "router.proj",
+    "router_scale": "router.scale", "per_expert_scale": "router.per_expert_scale",
+    "pre_ffn_norm_2": "pre_feedforward_layernorm_2", "expert_gate_up": "experts.gate_up_proj",
+    "expert_down": "experts.down_proj", "post_ffn_norm_2": "post_feedforward_layernorm_2",
+    "post_ffn_norm": "post_feedforward_layernorm", "encoder_scalar": "encoder_layer_scalar",
+    "decoder_scalar": "decoder_layer_scalar"}
 
 
 @dataclass

@@ -20,16 +20,10 @@ from diffusiongemma.reference.support.checks import available_memory
 from diffusiongemma.reference.support.errors import CheckpointError, NonFiniteError
 from diffusiongemma.reference.weights import expected_shapes
 
+from ..weights import LAYER_TENSOR_NAMES
+
 __all__ = ["host_tensors", "diagnose"]
 
-_LAYER_FIELDS = {"o_proj": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm", "input_norm": "input_layernorm",
-                 "post_attention_norm": "post_attention_layernorm", "pre_ffn_norm": "pre_feedforward_layernorm",
-                 "mlp_down": "mlp.down_proj", "post_ffn_norm_1": "post_feedforward_layernorm_1",
-                 "router": "router.proj", "router_scale": "router.scale", "per_expert_scale": "router.per_expert_scale",
-                 "pre_ffn_norm_2": "pre_feedforward_layernorm_2", "expert_gate_up": "experts.gate_up_proj",
-                 "expert_down": "experts.down_proj", "post_ffn_norm_2": "post_feedforward_layernorm_2",
-                 "post_ffn_norm": "post_feedforward_layernorm", "encoder_scalar": "encoder_layer_scalar",
-                 "decoder_scalar": "decoder_layer_scalar"}
 
 
 def host_tensors(model: Any) -> dict[str, np.ndarray]:
@@ -51,7 +45,7 @@ def host_tensors(model: Any) -> dict[str, np.ndarray]:
         gate_up = host(w.mlp_gate_up)
         I_d = gate_up.shape[0] // 2
         out[p + "mlp.gate_proj"], out[p + "mlp.up_proj"] = gate_up[:I_d], gate_up[I_d:]
-        for field, name in _LAYER_FIELDS.items():
+        for field, name in LAYER_TENSOR_NAMES.items():
             value = getattr(w, field)
             out[p + name] = np.asarray(value if isinstance(value, (np.generic, float)) else host(value), np.float32)
     shapes = expected_shapes(config)
