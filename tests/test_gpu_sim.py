@@ -222,8 +222,8 @@ def test_a_shuffle_in_a_divergent_branch_is_caught():
 
 
 def test_a_barrier_not_reached_by_every_thread_is_caught():
-    lib = mutated("sampling.cu", "    if (!uniforms_opt) return;\n    __syncthreads();",
-                  "    if (!uniforms_opt || threadIdx.x == 7) return;\n    __syncthreads();")
+    lib = mutated("sampling.cu", "    if (!u_opt) return;\n    __syncthreads();",
+                  "    if (!u_opt || threadIdx.x == 7) return;\n    __syncthreads();")
     dev = SimDevice(library=lib)
     R, V = 2, 300
     launch = gl.sample_rows(dev.to_device(np.zeros((R, V), f32)), dev.to_device(np.arange(R, dtype=i32)), 0.0, 0.0,

@@ -9,7 +9,7 @@ The modules mirror the reference's:
     model.py     ``Model``: encoder and decoder on the device (``Model.from_pretrained(path, device="cuda")``)
     sampling.py  one denoising step on the device: sampling pass, acceptance and renoising
     canvas.py    a canvas's steps on the device, the host reading only a stop flag and the committed draft
-    graph.py     a decoder pass captured once and replayed (a CUDA graph; cuda-sim: the recorded plan)
+    graph.py     a denoising step captured once and replayed (a CUDA graph; cuda-sim: the recorded plan)
     counting.py  a device wrapper counting transfers, synchronisations, launches, replays and memory
     cuda/        the kernels (norms, RoPE, attention, MoE, sampling)
 

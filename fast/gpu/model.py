@@ -93,7 +93,7 @@ class Model:
         ``GpuBackend`` (device buffer and kernels), or, for a replaced host ``denoiser``, the reference's step
         inside the device context. device_loop: run each canvas's steps on the device (``canvas.py``) when
         the run allows it; sync_every: steps between two reads of its stop flag; graphs: replay each canvas's
-        decoder pass captured once (``graph.py``; default: on cuda-sim yes, on a GPU no)."""
+        whole denoising step captured once (``graph.py``; default: on cuda-sim yes, on a GPU no)."""
         if denoiser is not None:
             return ReferenceBackend(denoiser, draws, self.config.vocab_size, batch_size, observer=observer,
                                     context=self.device.context)

@@ -85,7 +85,7 @@ class GpuBackend:
                  graphs: bool | None = None):
         self.model, self.dev = model, model.device
         self.device_loop, self.sync_every = bool(device_loop), int(sync_every)  # see run_canvas
-        # replay the decoder pass captured once per canvas (graph.py): on cuda-sim by default; on a GPU when
+        # replay the whole step captured once per canvas (graph.py): on cuda-sim by default; on a GPU when
         # asked (graphs=True), until a GPU run has checked CuPy's capture of it
         self.graphs = (not graph.on_gpu(self.dev)) if graphs is None else bool(graphs)
         self._outputs: _StepOutputs | None = None
