@@ -244,8 +244,8 @@ def counts_table(device_name: str) -> list[str]:
     lines = [f"### Counts per canvas, shipped model on {device_name} (batch 1, one canvas of 32 tokens)", "",
              "| loop | steps | copies back (bytes) | copies to device | host waits | Python launches per step "
              "(kernels + array calls + replays) | graph replays |", "|---|---|---|---|---|---|---|"]
-    for label, options in (("device loop, decoder pass replayed (graph.py)", {"graphs": True}),
-                           ("device loop, decoder pass launch by launch", {"graphs": False}),
+    for label, options in (("device loop, whole step replayed (graph.py)", {"graphs": True}),
+                           ("device loop, step launch by launch", {"graphs": False}),
                            ("spec's per-step loop (before)", {"device_loop": False})):
         device.phases.clear()
         model._decoder_memo = None  # each row uploads its own decoder inputs
