@@ -292,6 +292,27 @@ def test_generate_takes_a_host_denoiser_like_the_reference_and_reports_nan():
                       logits_hook=nan_logits)
 
 
+def test_a_nan_at_a_later_step_is_named_by_the_device_loop():
+    """NaN logits of one row at the third step of a canvas: the stop flag read after the stretch names that
+    (row, position), as the per-step loop would (the flags of every step stay on the device, per row)."""
+    config = tiny_config()
+    _, fast = pair(config)
+    calls = []
+
+    def late_nan(c, rows):
+        calls.append(rows)
+        z = fake_logits(c)
+        if len(calls) == 3:
+            z[1, 3, 5] = np.nan
+        return z
+
+    with pytest.raises(SamplingError, match=r"\(1, 3\).*NaN"):
+        gpu._generate(fast, np.ones((2, 3), dtype=np.int64), None, None, random=0, cache=None,
+                      decoder_input_ids=None, self_conditioning_logits=None, callback=None,
+                      overrides={"max_new_tokens": 16, "max_denoising_steps": 6}, logits_hook=late_nan)
+    assert len(calls) == 4  # the stretch of 4 steps ran before the flag was read
+
+
 @pytest.mark.slow
 def test_shipped_model_on_the_gpu_sim_backend_gives_the_reference_tokens():
     """What ``diffusiongemma generate --backend gpu-sim`` runs (checkpoint.load_model / generate_function)
