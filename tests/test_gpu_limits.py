@@ -125,8 +125,8 @@ def zero_size_cases(dev):
 
     def sample_step(B=2, C=3, R=4, V=50, N=2):  # the captured step's kernels, at step 0
         n = B * C
-        return gl.sample_step(z(n, V), dev.to_device(np.arange(R, dtype=i32)), 0.0, z(N), z(1, dtype=i32), z(N, n, dtype=f64),
-                              z(n, dtype=i64), z(n), z(n, dtype=i64), z(N, n, dtype=i32))
+        return gl.sample_step(z(n, V), dev.to_device(np.arange(R, dtype=i32)), 0.0, z(N), z(1, dtype=i32),
+                              z(N, n, dtype=f64), z(n, dtype=i64), z(n), z(n, dtype=i64), z(N, n, dtype=i32))
 
     cases += [("dg_sample_step", "rows=0", lambda: sample_step(R=0)),
               ("dg_sample_step", "vocab=0", lambda: sample_step(V=0)),

@@ -174,7 +174,7 @@ def run_canvas(backend: Any, k: int, canvas: np.ndarray, draws: SeededDraws, sto
     u_dev, noise_dev = dev.to_device(uniforms.reshape(N, B * C)), dev.to_device(noise)
     temps_dev = dev.to_device(np.array([0.0 if t is None else t for t in temps], dtype=np.float32))
     step_dev = dev.zeros((1,), np.int32)  # the step index, advanced on the device by each step's last kernel
-    state = dev.to_device(np.stack([canvas, canvas]).astype(np.int64))  # the canvas, and the draft: it starts as the canvas
+    state = dev.to_device(np.stack([canvas, canvas]).astype(np.int64))  # the canvas and the draft (it starts as it)
     canvas_dev, draft_dev = state[0], state[1]
     entropies_dev = dev.zeros((B, C), np.float32)
     finished_dev = dev.zeros((B,), np.uint8)
