@@ -295,8 +295,9 @@ def test_loop_matches_reference_loop_on_identical_logits(device, B, max_new, sta
 
 
 def test_the_captured_decoder_pass_replays_what_was_issued(device):
-    """Each canvas's decoder pass captured once and replayed (``graph.py``: a CUDA graph on a GPU, the
-    recorded plan on cuda-sim) gives the run that the same passes issued launch by launch give."""
+    """Each canvas's whole denoising step (decoder pass, sampling, acceptance, stop state) captured once and
+    replayed (``graph.py``: a CUDA graph on a GPU, the recorded plan on cuda-sim) gives the run that the same
+    steps issued launch by launch give."""
     config = tiny_config()
     _, fast = pair(config, device, seed=1)
     prompt = np.random.default_rng(3).integers(3, 120, size=(2, 7))
