@@ -62,6 +62,7 @@ from diffusiongemma.reference.support.observer import NULL_OBSERVER, StepInfo, n
 
 from . import graph
 from . import launch as gl
+from .flags import flat_rows, raise_for_flags
 
 __all__ = ["run_canvas", "prefetch_draws", "pairwise_mean", "applies"]
 
@@ -211,7 +212,7 @@ def run_canvas(backend: Any, k: int, canvas: np.ndarray, draws: SeededDraws, sto
         for j in range(i, end):
             n = live.shape[0]
             if flat_dev is None:
-                flat_dev = dev.to_device(_flat(live, C))
+                flat_dev = dev.to_device(flat_rows(live, C))
                 live_dev = None if n == B else dev.to_device(live)
             live_at.append(live)
             if backend.logits_hook is None:
@@ -286,17 +287,11 @@ def _decode_on(device: Any, model: Any, canvas: Any, backend: Any, rows: np.ndar
         model.device = own
 
 
-def _flat(rows: np.ndarray, C: int) -> np.ndarray:
-    return (np.asarray(rows, dtype=np.int64)[:, None] * C + np.arange(C)).reshape(-1).astype(np.int32)
-
-
 def _raise_for_step(dev: Any, step_flags: Any, live: np.ndarray, finish: np.ndarray, j: int, B: int, C: int,
                     temp: Any) -> None:
     """Raise the reference's error for step ``j``'s first flagged position of a row still denoising then
     (step_flags: (B*C,), the flags of every row; rows not decoded at step ``j`` hold 0)."""
-    from .sampling import raise_for_flags
-
     host = dev.to_host(step_flags).reshape(B, C)[live]
     host[finish[live] < j] = 0  # a row that stopped before step j: its outputs were discarded
     if host.any():
-        raise_for_flags(host.reshape(-1), _flat(live, C), C, temp)
+        raise_for_flags(host.reshape(-1), flat_rows(live, C), C, temp)

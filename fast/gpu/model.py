@@ -48,7 +48,8 @@ from . import launch as gl
 from ..weights import pack
 from .cache import GpuKVCache
 from .device import CupyDevice, gpu_available, make_device
-from .sampling import GpuBackend, _StepOutputs, _flat_rows, raise_for_flags
+from .flags import flat_rows, raise_for_flags
+from .sampling import GpuBackend, _StepOutputs
 
 
 class Model:
@@ -202,7 +203,7 @@ class Model:
         """Turn rows ``rows`` (batch indices) of a (B, C, V) logits buffer into probabilities in place."""
         B, C, V = buffer.shape
         dev = self.device
-        flat = _flat_rows(rows, C)
+        flat = flat_rows(rows, C)
         R = flat.shape[0]
         outs = _StepOutputs(dev, R)
         dev.launch(gl.sample_rows(buffer.reshape(B * C, V), dev.to_device(flat), 0.0, 0.0, None, outs.argmax,

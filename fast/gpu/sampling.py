@@ -12,8 +12,9 @@ probabilities stay as they were (the reference's freezing, SPEC §8.2 h).
 
 Within a canvas, ``run_canvas`` (``canvas.py``) runs the steps with every piece of the loop's state on the
 device and the host reading only a small stop flag every ``sync_every`` steps and the committed draft; the
-per-step ``step`` / ``accept_and_renoise`` below serve the runs it does not cover (a recording observer or
-draw source, a test's logits hook), through the spec's own loop.
+per-step ``step`` / ``accept_and_renoise`` below serve the runs it does not cover (``canvas.applies``: a
+recording observer, a draw source other than ``SeededDraws``, another implementation's semantics, or
+``device_loop=False``), through the spec's own loop. A test's logits hook runs on either path.
 
 Randomness never comes from the device: with ``SeededDraws`` the uniforms of the categorical draw come from
 the same Philox call the reference makes and are copied to the device; any other source is given the
@@ -28,22 +29,16 @@ from typing import Any
 import numpy as np
 
 from diffusiongemma.reference.generate import StepOutput
-from diffusiongemma.reference.support.observer import NULL_OBSERVER, Observer
 from diffusiongemma.reference.support.errors import SamplingError
-from diffusiongemma.reference.support.logits import (FLAG_NAN, FLAG_NO_FINITE, FLAG_POSINF, FLAG_RAW_NO_FINITE,
-                                                     FLAG_RAW_POSINF, raise_for_logit_flags)
+from diffusiongemma.reference.support.observer import NULL_OBSERVER, Observer
 
 from . import canvas as canvas_loop
 from . import graph
 from . import launch as gl
 from .canvas import SYNC_EVERY
+from .flags import flat_rows, raise_for_flags
 
 __all__ = ["GpuBackend"]
-
-
-def _flat_rows(batch_rows: np.ndarray, C: int) -> np.ndarray:
-    """int32 indices of the (B*C, V) rows belonging to ``batch_rows``: b*C + c."""
-    return (np.asarray(batch_rows, dtype=np.int64)[:, None] * C + np.arange(C)).reshape(-1).astype(np.int32)
 
 
 class _StepOutputs:
@@ -54,21 +49,6 @@ class _StepOutputs:
         self.entropy = dev.empty((R,), np.float32)
         self.sampled = dev.zeros((R,), np.int64)
         self.flags = dev.empty((R,), np.int32)
-
-
-def raise_for_flags(flags: np.ndarray, flat_rows: np.ndarray, C: int, temp: np.float32 | None,
-                    error: type = SamplingError, what: str = "denoiser logits") -> None:
-    """Raise the reference's error for the first (row, position) the device's sampling kernel flagged.
-
-    The device kernel sets bits 1/2/4 (NaN, +inf, all -inf) on the soft-capped, temperature-scaled values;
-    without a temperature those are the raw logits, so +inf and all -inf become the raw-stage bits. (With a
-    temperature, +inf before and after the division are not told apart; with a soft-cap the raw logits are
-    never +inf.)"""
-    flags = np.asarray(flags).astype(np.int64)
-    if temp is None:
-        flags = (flags & FLAG_NAN) | np.where(flags & FLAG_POSINF, FLAG_RAW_POSINF, 0) \
-            | np.where(flags & FLAG_NO_FINITE, FLAG_RAW_NO_FINITE, 0)
-    raise_for_logit_flags(flat_rows, flags, C, temp, error, what)
 
 
 class GpuBackend:
@@ -143,7 +123,7 @@ class GpuBackend:
             self.model._decoder_logits(dev.to_device(canvas[live]), self.cache, live, self.buffer, self.has_sc)
         if self.observer.records:
             self.observer.logits(self.model.softcapped_host_logits(self.buffer, live, cap), rows=live)
-        flat = _flat_rows(live, C)
+        flat = flat_rows(live, C)
         out = _StepOutputs(dev, flat.shape[0])
         uniforms = self.draws.categorical_uniforms(B, C)  # (B, C) float64, or None: the source needs probs
         dev.launch(gl.sample_rows(self.buffer.reshape(B * C, V), dev.to_device(flat), cap,
