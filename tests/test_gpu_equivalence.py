@@ -417,6 +417,18 @@ def test_logits_match_transformers(device, tmp_path):
     close(fast.denoise(canvas, cache, z / np.float32(0.7)), hf_denoise(hf, hc, canvas, z / np.float32(0.7)), tol=5e-5)
 
 
+# ------------------------------------------------------------------------------------------------ bfloat16
+def test_bf16_gemm_within_its_accumulation_bound(device):
+    """``dg_gemm_bf16`` on this device (the tensor cores' ``mma`` on a GPU, its emulation on cuda-sim) against the
+    exact product and the reference's bfloat16 ``linear``, within the bound tests/test_gpu_bf16.py states."""
+    from tests.test_gpu_bf16 import check, random_bf16, run
+
+    rng = np.random.default_rng(5)
+    for M, N, K in ((70, 65, 33), (1, 9, 1), (130, 64, 200)):
+        a, b = random_bf16(rng, (M, K)), random_bf16(rng, (N, K), 0.05)
+        check(a, b, *run(a, b, dev=device))
+
+
 # ------------------------------------------------------------------------------------------------ coverage
 @pytest.mark.slow
 @pytest.mark.last_in_module

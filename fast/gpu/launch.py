@@ -86,6 +86,7 @@ def check_resources(launch: "Launch", static_shared: int, max_threads: int, opt_
 _C_TYPES = {  # C parameter type -> (kind, numpy dtype)
     "float*": ("ptr", np.float32), "double*": ("ptr", np.float64), "long long*": ("ptr", np.int64),
     "int*": ("ptr", np.int32), "unsigned char*": ("ptr", np.uint8),
+    "unsigned short*": ("ptr", np.uint16),  # bfloat16 bits (fast/gpu/cuda/bf16.cuh)
     "float": ("scalar", np.float32), "double": ("scalar", np.float64), "long long": ("scalar", np.int64),
     "int": ("scalar", np.int32),
 }
@@ -652,3 +653,27 @@ def step_end(flags, finish_step, status, step) -> Launch:
     _shape(k, "status", status, (N + B,))
     _shape(k, "step", step, (1,))
     return _launch(k, 1, const("DG_ACCEPT_THREADS"), (flags, n, finish_step, B, status, step))
+
+
+# ------------------------------------------------------------------------------------------------ gemm_bf16.cu
+def gemm_bf16(a, b, c=None, c_bf16=None) -> Launch:
+    """``a @ b.T`` of bfloat16 matrices with float32 accumulation (see ``dg_gemm_bf16``), on tensor cores from
+    sm_80. a (M, K) and b (N, K) uint16: bfloat16 bits (``x.astype(ml_dtypes.bfloat16).view(np.uint16)``);
+    c (M, N) float32: the float32 accumulator; c_bf16 (M, N) uint16: it rounded to bfloat16, nearest, ties to
+    even (the reference's ``linear(..., dtype=bfloat16)``). Either output may be None, not both."""
+    k = "dg_gemm_bf16"
+    _ndim(k, "a", a, 2)
+    _ndim(k, "b", b, 2)
+    M, K = a.shape
+    N = b.shape[0]
+    if b.shape[1] != K:
+        raise LaunchError(f"{k}: b has shape {tuple(b.shape)}, expected ({N}, {K}) (the inner dimension of a)")
+    if c is None and c_bf16 is None:
+        raise LaunchError(f"{k}: no output (c and c_bf16 are both None)")
+    _shape(k, "c", c, (M, N))
+    _shape(k, "c_bf16", c_bf16, (M, N))
+    tm, tn = const("DG_BF16_TM"), const("DG_BF16_TN")
+    grid = (max(1, -(-N // tn)), max(1, -(-M // tm)))
+    if grid[1] > 65535:
+        raise LaunchError(f"{k}: {M} rows need {grid[1]} row tiles, over the grid's y limit 65535")
+    return _launch(k, grid, const("DG_BF16_THREADS"), (a, b, c, c_bf16, M, N, K))

@@ -24,6 +24,12 @@
 #define DG_GEMM_TN 64
 #define DG_GEMM_TK 32
 #define DG_GEMM_THREADS 256
+// bfloat16 GEMM (gemm_bf16.cu): a block computes DG_BF16_TM x DG_BF16_TN outputs with 4 warps (2 x 2, each
+// 32 x 32 as 2 x 4 mma tiles of 16 x 8), stepping DG_BF16_TK deep (a multiple of the mma's 16).
+#define DG_BF16_TM 64
+#define DG_BF16_TN 64
+#define DG_BF16_TK 32
+#define DG_BF16_THREADS 128
 // Sampling pass: threads per row, and the vocabulary chunk whose float64 sum is kept for the CDF.
 #define DG_SAMPLE_THREADS 256
 #define DG_SAMPLE_CHUNK 1024

@@ -33,7 +33,8 @@ KERNEL_FLAGS = ("-O2", "-g1", "-std=c++17", "-fPIC", "-fno-exceptions", "-fno-rt
 RUNTIME_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-fno-exceptions", "-fno-rtti")
 
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?[\w\s]+?\b(\w+)\s*\[\s*\]")
-_C_TYPES = {"float32": "float", "float64": "double", "int64": "long long", "int32": "int", "uint8": "unsigned char"}
+_C_TYPES = {"float32": "float", "float64": "double", "int64": "long long", "int32": "int", "uint8": "unsigned char",
+           "uint16": "unsigned short"}
 
 
 def source_hash(kernel_text: str) -> str:

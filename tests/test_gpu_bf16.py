@@ -1,0 +1,226 @@
+"""The bfloat16 matrix product of the GPU path (``dg_gemm_bf16``, fast/gpu/cuda/gemm_bf16.cu and bf16.cuh) on
+cuda-sim, against the reference's bfloat16 ``linear`` (reference/primitives.py; SPEC §10.1), and its compile
+checks for sm_80 and sm_90.
+
+The bound. Every product of two bfloat16 values is exact in float32 (8 + 8 significant bits), so the only
+error of the float32 accumulator is that of adding K exact terms. Its order is not ours to fix: cuda-sim adds
+them left to right in float32 with rounding to nearest (the emulation of ``mma`` in bf16.cuh), the tensor cores
+add the 16 products of one ``mma`` and the accumulator with an internal alignment and truncation of their own,
+and NumPy's BLAS (the reference's float32 ``x @ w.T``) blocks the sum as it likes. Any of these orders, with
+each addition rounding to nearest or toward zero (a relative error of at most u = 2^-23 on a partial sum no
+larger than S = sum_k |a_mk| |b_nk|), stays within
+
+    |c[m, n] - exact[m, n]| <= (2K + 16) * 2^-23 * S[m, n]                       (``bound`` below)
+
+of the exact sum (float64 here): K additions, one more per ``mma`` for its accumulator input (K/16 <= K), and
+16 to spare for the tensor core's wider intermediate sums. The bfloat16 output must then be the
+nearest-even rounding of the kernel's own float32 accumulator bit for bit, and lie between the reference's
+roundings of its float32 result moved by twice that bound down and up (rounding is monotone), which is where
+two correct float32 sums may round to neighbouring bfloat16 values.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from diffusiongemma.fast.gpu import build as cb
+from diffusiongemma.fast.gpu import launch as gl
+from diffusiongemma.fast.gpu.sim import KernelLibrary, SimDevice
+from diffusiongemma.reference.primitives import BFLOAT16, linear, round_to
+
+SOURCE = os.path.join(cb.CUDA_DIR, "gemm_bf16.cu")
+# M, N, K: single elements, one mma tile, whole block tiles, shapes that are multiples of nothing, K = 1,
+# K past one block step, and zero-size operands
+SHAPES = [(1, 1, 1), (16, 8, 16), (64, 64, 32), (70, 65, 33), (33, 70, 1), (130, 9, 100), (3, 131, 47),
+          (17, 5, 200), (0, 4, 5), (3, 0, 5), (4, 3, 0)]
+
+
+def library(text: str | None = None) -> KernelLibrary:
+    """The kernel's own source (with its headers) compiled for cuda-sim: ``text`` replaces it when given."""
+    return KernelLibrary.from_source(text if text is not None else cb.assemble(SOURCE))
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, np.float32).astype(BFLOAT16).view(np.uint16))
+
+
+def run(a: np.ndarray, b: np.ndarray, lib: KernelLibrary | None = None, dev=None) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 accumulator, bfloat16 output widened to float32) of the kernel on ``dev`` (default: cuda-sim with
+    ``lib``, every launch checked: bounds, races, divergence, and the same outputs in two thread orders). a, b:
+    float32 holding bfloat16 values; the outputs start as NaN / 0xFFFF so that an element left unwritten shows."""
+    dev = dev or SimDevice(library=lib or library())
+    M, N = a.shape[0], b.shape[0]
+    A, B = dev.to_device(bf16_bits(a)), dev.to_device(bf16_bits(b))
+    c = dev.to_device(np.full((M, N), np.nan, np.float32))
+    c16 = dev.to_device(np.full((M, N), 0xFFFF, np.uint16))
+    dev.launch(gl.gemm_bf16(A, B, c, c16))
+    return dev.to_host(c), dev.to_host(c16).view(BFLOAT16).astype(np.float32)
+
+
+def bound(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The accumulation bound of the module docstring, per output element (float64)."""
+    K = a.shape[1]
+    return (2 * K + 16) * 2.0 ** -23 * (np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)).T)
+
+
+def check(a: np.ndarray, b: np.ndarray, c: np.ndarray, c16: np.ndarray) -> None:
+    """Raise AssertionError unless the outputs are the product within the stated bound (see the docstring)."""
+    exact = a.astype(np.float64) @ b.astype(np.float64).T
+    e = bound(a, b)
+    err = np.abs(c.astype(np.float64) - exact)
+    assert np.all(err <= e), (f"float32 accumulator off by {err.max():.3g} "
+                              f"(bound {e.flat[np.argmax(err - e)]:.3g} there)")
+    mine = round_to(c, BFLOAT16)
+    assert np.array_equal(c16.view(np.uint32), mine.view(np.uint32)), \
+        f"bfloat16 output is not its accumulator rounded: {np.count_nonzero(c16 != mine)} of {c.size} elements differ"
+    ref32 = a @ b.T                                       # the reference's float32 sum, before its rounding
+    ref = linear(a, b, dtype=BFLOAT16)
+    assert np.array_equal(ref, round_to(ref32, BFLOAT16))
+    lo = round_to((ref32 - 2 * e).astype(np.float32), BFLOAT16)
+    hi = round_to((ref32 + 2 * e).astype(np.float32), BFLOAT16)
+    outside = ~((lo <= c16) & (c16 <= hi))
+    assert not outside.any(), f"{np.count_nonzero(outside)} bfloat16 outputs are not a rounding of the reference's sum"
+
+
+def random_bf16(rng: np.random.Generator, shape: tuple, scale: float = 1.0) -> np.ndarray:
+    return round_to((rng.standard_normal(shape) * scale).astype(np.float32), BFLOAT16)
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_matches_the_bf16_reference(M, N, K):
+    rng = np.random.default_rng(1000 * M + 10 * N + K)
+    a, b = random_bf16(rng, (M, K)), random_bf16(rng, (N, K), 0.05)
+    c, c16 = run(a, b)
+    check(a, b, c, c16)
+    if M and N:
+        assert np.isfinite(c).all()
+        # the sums are not exact in float32 for K > 1 (so the bound, not equality, is what is tested), and the
+        # bfloat16 output rounds them: it agrees with the reference's bfloat16 result almost everywhere
+        ref = linear(a, b, dtype=BFLOAT16)
+        assert np.count_nonzero(c16 != ref) <= max(1, c.size // 50)
+
+
+def test_cancellation_and_wide_exponents_stay_within_the_bound():
+    """Terms of magnitudes 2^-40 .. 2^40 that cancel: where the order of the additions matters most."""
+    rng = np.random.default_rng(7)
+    M, N, K = 20, 24, 96
+    a = round_to((rng.standard_normal((M, K)) * 2.0 ** rng.integers(-40, 40, (M, K))).astype(np.float32), BFLOAT16)
+    b = random_bf16(rng, (N, K))
+    b[:, K // 2:] = -b[:, :K // 2]
+    a[:, K // 2:] = a[:, :K // 2]                         # every row sums to exactly zero
+    c, c16 = run(a, b)
+    check(a, b, c, c16)
+
+
+BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+
+
+@pytest.mark.parametrize("a_row,b_row", [
+    ([1.0, 2.0 ** -8], [1.0, 1.0]),                        # a tie: to the even 1.0
+    ([1.0 + 2.0 ** -7, 2.0 ** -8], [1.0, 1.0]),            # a tie: to the even 1 + 2^-6
+    ([1.0, 2.0 ** -8 + 2.0 ** -15], [1.0, 1.0]),           # just above a tie: up
+    ([-1.0, -2.0 ** -8], [1.0, 1.0]),                      # a negative tie: to the even -1.0
+    ([3.0 * 2.0 ** -70], [2.0 ** -64]),                    # 3 * 2^-134, a tie between bfloat16 subnormals
+    ([BF16_MAX, 2.0 ** 119], [1.0, 1.0]),                  # a tie above the largest finite value: inf
+    ([BF16_MAX, 2.0 ** 118], [1.0, 1.0]),                  # below the tie: the largest finite value
+])
+def test_output_rounding_ties_to_even_subnormals_and_overflow(a_row, b_row):
+    """A float32 accumulator that bfloat16 terms make exactly, rounded as ml_dtypes (and torch) round: ties to
+    even, among subnormals too, and a tie above the largest finite value to inf."""
+    a, b = np.array([a_row], np.float32), np.array([b_row], np.float32)
+    assert np.array_equal(round_to(a, BFLOAT16), a) and np.array_equal(round_to(b, BFLOAT16), b)
+    exact = float((a.astype(np.float64) @ b.astype(np.float64).T)[0, 0])
+    assert np.float32(exact) == exact and round_to(np.float32(exact), BFLOAT16) != exact   # exact, not bfloat16
+    c, c16 = run(a, b)
+    assert c[0, 0] == np.float32(exact)
+    assert c16[0, 0].view(np.uint32) == round_to(np.float32(exact), BFLOAT16).view(np.uint32)
+
+
+def test_nan_and_inf_propagate():
+    a = np.ones((3, 4), np.float32)
+    b = np.ones((5, 4), np.float32)
+    a[0, 1], a[1, 2] = np.nan, np.inf
+    c, c16 = run(a, b)
+    assert np.isnan(c[0]).all() and np.isnan(c16[0]).all()
+    assert np.isposinf(c[1]).all() and np.isposinf(c16[1]).all()
+    assert (c[2] == 4).all() and (c16[2] == 4).all()
+
+
+# ------------------------------------------------------------------------------------------------ the tests can fail
+MUTATIONS = {
+    # output rounding: ties away from zero instead of to even
+    "ties away": ("(u + 0x7fffu + ((u >> 16) & 1u)) >> 16", "(u + 0x8000u) >> 16"),
+    # output rounding: truncation
+    "truncation": ("(u + 0x7fffu + ((u >> 16) & 1u)) >> 16", "u >> 16"),
+    # the A fragment's second and third registers swapped (rows g+8 and columns 8.. exchanged)
+    "fragment layout": ("af[mi][1] = dg_bf16_pair(bottom[0], bottom[1]);\n                af[mi][2] = "
+                        "dg_bf16_pair(top[8], top[9]);",
+                        "af[mi][2] = dg_bf16_pair(bottom[0], bottom[1]);\n                af[mi][1] = "
+                        "dg_bf16_pair(top[8], top[9]);"),
+    # the last partial step of K dropped
+    "K tail": ("k0 < K; k0 += DG_BF16_TK", "k0 + DG_BF16_TK <= K; k0 += DG_BF16_TK"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_the_checks_catch_a_broken_kernel(name):
+    old, new = MUTATIONS[name]
+    text = cb.assemble(SOURCE)
+    assert text.count(old) == 1, f"mutation {name!r} no longer applies: update it with the kernel"
+    broken = library(text.replace(old, new))
+    rng = np.random.default_rng(3)
+    a, b = random_bf16(rng, (70, 33)), random_bf16(rng, (65, 33), 0.05)
+    a[0, :2] = [1.0, 2.0 ** -8]                           # one accumulator exactly on a rounding tie
+    b[0, :2] = [1.0, 1.0]
+    b[0, 2:] = 0.0
+    c, c16 = run(a, b, broken)
+    with pytest.raises(AssertionError):
+        check(a, b, c, c16)
+
+
+# ------------------------------------------------------------------------------------------------ launch, compile
+def test_launch_builder_checks_its_operands():
+    u16 = np.zeros((4, 8), np.uint16)
+    c = np.zeros((4, 3), np.float32)
+    launch = gl.gemm_bf16(u16, np.zeros((3, 8), np.uint16), c)
+    assert launch.grid == (1, 1, 1) and launch.block == (gl.const("DG_BF16_THREADS"), 1, 1)
+    assert launch.args[3] is None
+    launch = gl.gemm_bf16(np.zeros((130, 8), np.uint16), np.zeros((65, 8), np.uint16), None,
+                          np.zeros((130, 65), np.uint16))
+    assert launch.grid == (2, 3, 1)
+    with pytest.raises(gl.LaunchError, match="a must be uint16, got float32"):
+        gl.gemm_bf16(u16.astype(np.float32), np.zeros((3, 8), np.uint16), c)
+    with pytest.raises(gl.LaunchError, match=r"b has shape \(3, 7\), expected \(3, 8\)"):
+        gl.gemm_bf16(u16, np.zeros((3, 7), np.uint16), c)
+    with pytest.raises(gl.LaunchError, match="no output"):
+        gl.gemm_bf16(u16, np.zeros((3, 8), np.uint16))
+    with pytest.raises(gl.LaunchError, match=r"c has shape \(4, 4\), expected \(4, 3\)"):
+        gl.gemm_bf16(u16, np.zeros((3, 8), np.uint16), np.zeros((4, 4), np.float32))
+
+
+def _nvrtc_or_skip():
+    if cb.load_nvrtc() is None:
+        if os.environ.get(cb.SKIP_ENV) == "1":
+            pytest.skip(f"no libnvrtc and {cb.SKIP_ENV}=1")
+        pytest.fail("no libnvrtc loads (the test extra installs nvidia-cuda-nvrtc-cu12)")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_compiles_to_tensor_core_mma_without_spills_and_fits_its_launches(arch):
+    _nvrtc_or_skip()
+    text = cb.assemble(SOURCE)
+    ptx = cb.nvrtc_ptx(text, arch)
+    # 2 x 4 tiles per warp, two k steps of 16 per block step: 16 mma instructions, no fallback on the CUDA cores
+    assert len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32\b", ptx)) == 16, ptx[-2000:]
+    assert "shfl.sync" not in ptx
+    report = cb.compile_source(text, arch, compiler="nvrtc", name="gemm_bf16.cu").kernels["dg_gemm_bf16"]
+    assert report.registers > 0 and not report.spills
+    assert report.registers * gl.const("DG_BF16_THREADS") <= 65536
+    launch = gl.gemm_bf16(np.zeros((1000, 640), np.uint16), np.zeros((2048, 640), np.uint16),
+                          np.zeros((1000, 2048), np.float32))
+    assert gl.check_resources(launch, report.shared_memory, 1024, gl.SHARED_OPT_IN_LIMITS[arch], arch) == 0
