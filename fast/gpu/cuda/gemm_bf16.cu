@@ -11,53 +11,93 @@
 //   c_bf16_opt (M, N) bfloat16 bits: the accumulator rounded to nearest, ties to even (dg_float_to_bf16).
 // Entries past M, N or K are read as zero, so any shape works (K = 0 writes zeros). grid (ceil(N / TN),
 // ceil(M / TM)), block DG_BF16_THREADS; each block stages a TM x TK slice of a and a TN x TK slice of b in
-// shared memory per step, and each warp runs 2 x 4 mma tiles of 16 x 8 on it (k 16 at a time).
+// shared memory per step (8 bytes per load where K % 4 == 0 and a, b are 8-byte aligned), and each warp runs
+// 2 x 4 mma tiles of 16 x 8 on it (k 16 at a time).
 extern "C" __global__ void __launch_bounds__(DG_BF16_THREADS)
 dg_gemm_bf16(const unsigned short* a, const unsigned short* b, float* c_opt, unsigned short* c_bf16_opt, int M,
              int N, int K) {
-    // rows padded by 8 bf16 (16 bytes) so that the fragment reads of the 8 row groups spread over the banks
-    __shared__ unsigned short as[DG_BF16_TM][DG_BF16_TK + 8];
-    __shared__ unsigned short bs[DG_BF16_TN][DG_BF16_TK + 8];
+    // bf16 pairs (k, k + 1; dg_bf16_pair), rows padded by 4 pairs (16 bytes) so that the fragment reads of the
+    // 8 row groups of a warp spread over the banks
+    constexpr int P = DG_BF16_TK / 2;
+    __shared__ unsigned as[DG_BF16_TM][P + 4];
+    __shared__ unsigned bs[DG_BF16_TN][P + 4];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int m0 = blockIdx.y * DG_BF16_TM, n0 = blockIdx.x * DG_BF16_TN;
     const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;     // the warp's 32 x 32 corner of the block tile
+    // 8-byte loads (4 bf16) when every row starts 8-byte aligned; element by element otherwise (the same
+    // choice in every thread: it depends on the arguments only)
+    const bool wide = K % 4 == 0 && ((unsigned long long)a & 7) == 0 && ((unsigned long long)b & 7) == 0;
     float acc[2][4][4];
+    #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
+        #pragma unroll
         for (int ni = 0; ni < 4; ++ni)
+            #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mi][ni][i] = 0.0f;
     for (int k0 = 0; k0 < K; k0 += DG_BF16_TK) {
-        for (int i = threadIdx.x; i < DG_BF16_TM * DG_BF16_TK; i += blockDim.x) {
-            const int r = i / DG_BF16_TK, kk = i - r * DG_BF16_TK, gk = k0 + kk;
-            as[r][kk] = (m0 + r < M && gk < K) ? a[(long long)(m0 + r) * K + gk] : (unsigned short)0;
-        }
-        for (int i = threadIdx.x; i < DG_BF16_TN * DG_BF16_TK; i += blockDim.x) {
-            const int r = i / DG_BF16_TK, kk = i - r * DG_BF16_TK, gk = k0 + kk;
-            bs[r][kk] = (n0 + r < N && gk < K) ? b[(long long)(n0 + r) * K + gk] : (unsigned short)0;
+        if (wide) {
+            for (int i = threadIdx.x; i < DG_BF16_TM * (P / 2); i += blockDim.x) {
+                const int r = i / (P / 2), q = i - r * (P / 2), gk = k0 + 4 * q;  // gk < K: all 4 are inside
+                const unsigned long long v = (m0 + r < M && gk < K)
+                    ? *(const unsigned long long*)(a + (long long)(m0 + r) * K + gk) : 0ull;
+                as[r][2 * q] = (unsigned)v;
+                as[r][2 * q + 1] = (unsigned)(v >> 32);
+            }
+            for (int i = threadIdx.x; i < DG_BF16_TN * (P / 2); i += blockDim.x) {
+                const int r = i / (P / 2), q = i - r * (P / 2), gk = k0 + 4 * q;
+                const unsigned long long v = (n0 + r < N && gk < K)
+                    ? *(const unsigned long long*)(b + (long long)(n0 + r) * K + gk) : 0ull;
+                bs[r][2 * q] = (unsigned)v;
+                bs[r][2 * q + 1] = (unsigned)(v >> 32);
+            }
+        } else {
+            for (int i = threadIdx.x; i < DG_BF16_TM * P; i += blockDim.x) {
+                const int r = i / P, p = i - r * P, gk = k0 + 2 * p;
+                const unsigned short* row = a + (long long)(m0 + r) * K;
+                const bool in = m0 + r < M;
+                as[r][p] = dg_bf16_pair(in && gk < K ? row[gk] : (unsigned short)0,
+                                        in && gk + 1 < K ? row[gk + 1] : (unsigned short)0);
+            }
+            for (int i = threadIdx.x; i < DG_BF16_TN * P; i += blockDim.x) {
+                const int r = i / P, p = i - r * P, gk = k0 + 2 * p;
+                const unsigned short* row = b + (long long)(n0 + r) * K;
+                const bool in = n0 + r < N;
+                bs[r][p] = dg_bf16_pair(in && gk < K ? row[gk] : (unsigned short)0,
+                                        in && gk + 1 < K ? row[gk + 1] : (unsigned short)0);
+            }
         }
         __syncthreads();
-        for (int ks = 0; ks < DG_BF16_TK; ks += 16) {
+        #pragma unroll
+        for (int ks = 0; ks < P; ks += 8) {                    // 8 pairs: the mma's 16-deep k
             unsigned af[2][4], bf[4][2];
+            #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
-                const unsigned short* top = as[wm + mi * 16 + g] + ks + 2 * t;
-                const unsigned short* bottom = as[wm + mi * 16 + g + 8] + ks + 2 * t;
-                af[mi][0] = dg_bf16_pair(top[0], top[1]);
-                af[mi][1] = dg_bf16_pair(bottom[0], bottom[1]);
-                af[mi][2] = dg_bf16_pair(top[8], top[9]);
-                af[mi][3] = dg_bf16_pair(bottom[8], bottom[9]);
+                const unsigned* top = as[wm + mi * 16 + g] + ks + t;
+                const unsigned* bottom = as[wm + mi * 16 + g + 8] + ks + t;
+                af[mi][0] = top[0];
+                af[mi][1] = bottom[0];
+                af[mi][2] = top[4];
+                af[mi][3] = bottom[4];
             }
+            #pragma unroll
             for (int ni = 0; ni < 4; ++ni) {
-                const unsigned short* col = bs[wn + ni * 8 + g] + ks + 2 * t;
-                bf[ni][0] = dg_bf16_pair(col[0], col[1]);
-                bf[ni][1] = dg_bf16_pair(col[8], col[9]);
+                const unsigned* col = bs[wn + ni * 8 + g] + ks + t;
+                bf[ni][0] = col[0];
+                bf[ni][1] = col[4];
             }
+            #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
+                #pragma unroll
                 for (int ni = 0; ni < 4; ++ni) dg_mma_bf16_16816(acc[mi][ni], af[mi], bf[ni]);
         }
         __syncthreads();                              // the tiles are read before the next step overwrites them
     }
+    #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
+        #pragma unroll
         for (int ni = 0; ni < 4; ++ni)
+            #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int m = m0 + wm + mi * 16 + g + (i >> 1) * 8, n = n0 + wn + ni * 8 + 2 * t + (i & 1);
                 if (m >= M || n >= N) continue;
