@@ -192,6 +192,13 @@ def test_the_checks_catch_a_broken_kernel(name):
 
 
 # ------------------------------------------------------------------------------------------------ launch, compile
+def test_sim_poisons_new_bf16_buffers_with_nan():
+    """cuda-sim's ``empty`` of uint16 (bfloat16 bits) holds NaN, as its float32 ``empty`` does, so that an output
+    element a kernel forgets to write shows as NaN."""
+    out = SimDevice(library=library()).empty((2, 3), np.uint16)
+    assert np.isnan(out.view(BFLOAT16).astype(np.float32)).all()
+
+
 def test_launch_builder_checks_its_operands():
     u16 = np.zeros((4, 8), np.uint16)
     c = np.zeros((4, 3), np.float32)

@@ -497,7 +497,7 @@ class SimDevice:
     launch once, forward, unchecked (faster). record: keep ``launches`` (every ``Launch``) and
     ``allocations`` ((shape, dtype) of every ``empty``/``zeros``). Arrays come from ``empty``/``zeros``/
     ``to_device`` with red zones around them; ``empty`` fills floats with NaN and integers with -7777 (77
-    for bytes), as uninitialised GPU memory would hold garbage. Raises ``KernelCheckError`` from ``launch``.
+    for bytes; all ones for uint16, the bits of a bfloat16 NaN), as uninitialised GPU memory would hold garbage. Raises ``KernelCheckError`` from ``launch``.
     """
 
     xp = np
@@ -549,7 +549,10 @@ class SimDevice:
 
     def empty(self, shape, dtype):
         out = self._allocate(shape, dtype)
-        out.fill(np.nan if out.dtype.kind == "f" else (-7777 if out.dtype.itemsize > 1 else 77))
+        if out.dtype.kind == "u" and out.dtype.itemsize > 1:
+            out.fill(np.iinfo(out.dtype).max)  # uint16: 0xFFFF, a bfloat16 NaN
+        else:
+            out.fill(np.nan if out.dtype.kind == "f" else (-7777 if out.dtype.itemsize > 1 else 77))
         return out
 
     def zeros(self, shape, dtype):
