@@ -151,6 +151,62 @@ def test_nan_and_inf_propagate():
     assert (c[2] == 4).all() and (c16[2] == 4).all()
 
 
+# ------------------------------------------------------------------------------------------------ the mma fragments
+PROBE = r"""
+// One warp: d = c + A @ B with the fragments of every lane given and returned as they are.
+extern "C" __global__ void probe_mma(const int* a_frag, const int* b_frag, const float* c_frag, float* d_frag) {
+    const int lane = threadIdx.x;
+    unsigned a[4], b[2];
+    float d[4];
+    for (int i = 0; i < 4; ++i) a[i] = (unsigned)a_frag[lane * 4 + i];
+    for (int i = 0; i < 2; ++i) b[i] = (unsigned)b_frag[lane * 2 + i];
+    for (int i = 0; i < 4; ++i) d[i] = c_frag[lane * 4 + i];
+    dg_mma_bf16_16816(d, a, b);
+    for (int i = 0; i < 4; ++i) d_frag[lane * 4 + i] = d[i];
+}
+"""
+
+
+def test_mma_emulation_follows_the_fragment_layout_of_cute():
+    """The emulated ``mma.m16n8k16`` against the fragment layout as CUTLASS's CuTe writes it (a second
+    statement of the PTX table, mma_traits_sm80: (thread, value) -> coordinate; thread = t0 + 4 t1): A
+    (16 x 16) at 32 t0 + t1 + 16 v0 + 8 v1 + 128 v2, B (K 16 x N 8) at 16 t0 + t1 + 8 v0 + 64 v1, C and D
+    (16 x 8) at 32 t0 + t1 + 16 v0 + 8 v1, column-major offsets; values 2r and 2r + 1 share register r, the
+    first in the low half. Small integers make every sum exact, so D must equal C + A @ B exactly."""
+    lib = KernelLibrary.from_source(cb.assemble(os.path.join(cb.CUDA_DIR, "bf16.cuh")) + PROBE)
+    rng = np.random.default_rng(11)
+    A = rng.integers(-8, 9, (16, 16)).astype(np.float32)
+    B = rng.integers(-8, 9, (16, 8)).astype(np.float32)
+    C = rng.integers(-100, 101, (16, 8)).astype(np.float32)
+    a_bits, b_bits = bf16_bits(A).astype(np.uint32), bf16_bits(B).astype(np.uint32)
+    a_frag, b_frag = np.zeros((32, 4), np.uint32), np.zeros((32, 2), np.uint32)
+    c_frag = np.zeros((32, 4), np.float32)
+    for lane in range(32):
+        t0, t1 = lane % 4, lane // 4
+        for v in range(8):
+            v0, v1, v2 = v & 1, (v >> 1) & 1, v >> 2
+            idx = 32 * t0 + t1 + 16 * v0 + 8 * v1 + 128 * v2
+            a_frag[lane, v // 2] |= a_bits[idx % 16, idx // 16] << (16 * (v % 2))
+        for v in range(4):
+            v0, v1 = v & 1, v >> 1
+            idx = 16 * t0 + t1 + 8 * v0 + 64 * v1
+            b_frag[lane, v // 2] |= b_bits[idx // 8, idx % 8] << (16 * (v % 2))
+            idx = 32 * t0 + t1 + 16 * v0 + 8 * v1
+            c_frag[lane, v] = C[idx % 16, idx // 16]
+    dev = SimDevice(library=lib)
+    d_frag = dev.to_device(np.full((32, 4), np.nan, np.float32))
+    dev.launch(gl.Launch("probe_mma", (1, 1, 1), (32, 1, 1), (dev.to_device(a_frag.view(np.int32)),
+                                                              dev.to_device(b_frag.view(np.int32)),
+                                                              dev.to_device(c_frag), d_frag)))
+    D = np.full((16, 8), np.nan, np.float32)
+    for lane in range(32):
+        t0, t1 = lane % 4, lane // 4
+        for v in range(4):
+            idx = 32 * t0 + t1 + 16 * (v & 1) + 8 * (v >> 1)
+            D[idx % 16, idx // 16] = d_frag[lane, v]
+    np.testing.assert_array_equal(D, C + A @ B)
+
+
 # ------------------------------------------------------------------------------------------------ the tests can fail
 MUTATIONS = {
     # output rounding: ties away from zero instead of to even
