@@ -17,6 +17,9 @@ of the exact sum (float64 here): K additions, one more per ``mma`` for its accum
 nearest-even rounding of the kernel's own float32 accumulator bit for bit, and lie between the reference's
 roundings of its float32 result moved by twice that bound down and up (rounding is monotone), which is where
 two correct float32 sums may round to neighbouring bfloat16 values.
+
+The fragment layout the kernel loads is checked on cuda-sim against a second statement of it (CuTe's), with
+the emulated ``mma`` on exact small-integer sums; each check is shown to fail on a mutated copy of the kernel.
 """
 
 from __future__ import annotations
@@ -292,6 +295,7 @@ def test_compiles_to_tensor_core_mma_without_spills_and_fits_its_launches(arch):
     report = cb.compile_source(text, arch, compiler="nvrtc", name="gemm_bf16.cu").kernels["dg_gemm_bf16"]
     assert report.registers > 0 and not report.spills and report.stack_frame == 0   # accumulators stay in registers
     assert report.registers * gl.const("DG_BF16_THREADS") <= 65536
+    assert library().static_shared["dg_gemm_bf16"] == report.shared_memory   # cuda-sim's layout is ptxas's
     launch = gl.gemm_bf16(np.zeros((1000, 640), np.uint16), np.zeros((2048, 640), np.uint16),
                           np.zeros((1000, 2048), np.float32))
     assert gl.check_resources(launch, report.shared_memory, 1024, gl.SHARED_OPT_IN_LIMITS[arch], arch) == 0

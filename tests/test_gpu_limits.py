@@ -143,6 +143,12 @@ def zero_size_cases(dev):
         return gl.step_end(z(N, n, dtype=i32), z(B, dtype=i32), z(N + B, dtype=i32), z(1, dtype=i32))
 
     cases += [("dg_step_end", f"{k}=0", lambda k=k: end(**{k: 0})) for k in ("n", "B")]
+
+    def gemm_bf16(M=3, N=5, K=6):
+        u16 = np.uint16
+        return gl.gemm_bf16(z(M, K, dtype=u16), z(N, K, dtype=u16), z(M, N), z(M, N, dtype=u16))
+
+    cases += [("dg_gemm_bf16", f"{k}=0", lambda k=k: gemm_bf16(**{k: 0})) for k in ("M", "N", "K")]
     return cases
 
 
