@@ -20,9 +20,10 @@ summation order (see ``fast/_kernels.pyx`` for where the numbers can differ, and
   same array before the logits overwrite it, so a denoising step allocates nothing proportional to the
   vocabulary or to the cache once the workspace has warmed up.
 
-Array-module note: the orchestration below touches arrays only through ``self.xp`` (NumPy here) for
-matrix products and through ``self.ops`` (the compiled kernels) for everything else, so that a GPU
-backend can supply the same two objects.
+Array-module note: the block's order (norms, attention with the KV cache, dense MLP, router and experts,
+the fused tail) is ``fast.block``'s, shared with the GPU model; ``CpuOps`` below gives it this model's
+matrix products (``self.xp``, NumPy here) and compiled kernels (``self.ops``), and ``_CpuKeys`` the
+cache handling of one block call.
 
 Not thread-safe: a model owns one workspace; use one model per thread.
 """
@@ -47,7 +48,7 @@ from diffusiongemma.reference.primitives import rope_inverse_frequencies
 from diffusiongemma.reference.support.checkpoint_io import check_tensors, load_checkpoint
 from diffusiongemma.reference.support.quantized import is_bfloat16, widen
 
-from . import _kernels
+from . import _kernels, block
 from .attention import attend
 from .backend import CpuBackend
 from .blas import CPU_ARRAYS
@@ -149,6 +150,7 @@ class Model:
         self._cap = np.float32(config.final_logit_softcapping)
         self._rope_tables: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.workspace = Workspace(self.xp)
+        self.block_ops = CpuOps(self)  # fast.block's operations on this model's kernels and workspace
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -396,7 +398,8 @@ class Model:
 
     def _block(self, l: int, w: LayerWeights, h: np.ndarray, N: int, S: int, positions: np.ndarray,
                cache: KVCache, rows: np.ndarray, new_real: np.ndarray, decoder: bool) -> int:
-        """One transformer block on the residual ``h`` (N*S, H), in place (SPEC §4).
+        """One transformer block on the residual ``h`` (N*S, H), in place (SPEC §4; the order is
+        ``fast.block.layer``'s, shared with the GPU).
 
         Returns the number of rows of the new ``h`` that hold a NaN or an infinity (0 normally).
 
@@ -405,80 +408,76 @@ class Model:
         into the ring after the attention). Decoder: the canvas attends bidirectionally to the retained
         cache plus the whole canvas; nothing is stored.
         """
-        config, ops, ws, xp = self.config, self.ops, self.workspace, self.xp
-        M, H = N * S, config.hidden_size
-        n_h, g, d = config.num_attention_heads, w.num_kv_heads, w.head_dim
-        x = ws.get("x", (M, H))
-        ops.rms_norm(h, w.input_norm, self._eps, x)
-        proj = ws.get("proj", (M, w.qkv.shape[0]))
-        xp.matmul(x, w.qkv.T, out=proj)
-        q = ws.get("q", (N, S, n_h, d))
-        in_place = not decoder and not w.sliding  # full-layer encode: keys go straight into the cache
-        if in_place:
-            new_k, new_v = cache.full_layer_slots(l, S)
-        else:
-            new_k, new_v = ws.get("new_k", (N, g, S, d)), ws.get("new_v", (N, g, S, d))
-        cos, sin = self._rope(config.layer_types[l], int(positions[0]), S)
-        ops.heads(proj.reshape(N, S, -1), n_h, g, d, w.sliding, w.q_norm, w.k_norm,
-                  self._eps, cos, sin, q, new_k, new_v)
-        attn = ws.get("attn", (N, S, n_h * d))
-        if in_place:
-            n_cache, keys, values = cache.length + S, ws.get("no_k", (N, g, 0, d)), ws.get("no_v", (N, g, 0, d))
-            key_pos, key_real = positions[:0], new_real[:, :0]
-        else:
-            n_cache, keys, values, key_pos, key_real = cache.cached_slots(l), new_k, new_v, positions, new_real
-        window = config.sliding_window if (w.sliding and not decoder) else 0
-        attend(self, q, positions, cache.keys[l], cache.values[l], rows, n_cache, cache.slot_positions[l],
-               cache.real, keys, values, key_pos, key_real, window, not decoder, attn)
-        if not decoder and w.sliding:
-            cache.store_sliding(l, new_k, new_v)
-        o = ws.get("o", (M, H))
-        xp.matmul(attn.reshape(M, -1), w.o_proj.T, out=o)
-        ops.residual_norm_add(h, o, w.post_attention_norm, self._eps, np.float32(1.0))
-        # feed-forward: dense MLP and routed experts in parallel (SPEC §4.2)
-        x = ws.get("x", (M, H))
-        ops.rms_norm(h, w.pre_ffn_norm, self._eps, x)
-        dense = ws.get("dense", (M, H))
-        self._gated_mlp(x, w.mlp_gate_up, w.mlp_down, dense)
-        moe = self._experts(w, h)
+        keys = _CpuKeys(self, cache, positions, rows, new_real, decoder, N, S)
         scalar = w.decoder_scalar if decoder else w.encoder_scalar
-        return ops.feed_forward_residual(h, dense, moe, w.post_ffn_norm_1, w.post_ffn_norm_2, w.post_ffn_norm,
-                                         self._eps, scalar)
+        return block.layer(self.block_ops, keys, l, w, h, N, S, self.config.num_attention_heads, scalar)
 
     def _gated_mlp(self, x: np.ndarray, gate_up: np.ndarray, down: np.ndarray, out: np.ndarray) -> None:
         """``out = (gelu(x G^T) * (x U^T)) D^T`` with [G; U] stacked in ``gate_up``. x, out: (M, H)."""
-        ws, xp = self.workspace, self.xp
-        M = x.shape[0]
-        gu = ws.get("gate_up", (M, gate_up.shape[0]))
-        xp.matmul(x, gate_up.T, out=gu)
-        act = ws.get("act", (M, down.shape[1]))
-        self.ops.gelu_gate(gu, act)
-        xp.matmul(act, down.T, out=out)
+        block.gated_mlp(self.block_ops, x, gate_up, down, out)
 
     def _experts(self, w: LayerWeights, h: np.ndarray) -> np.ndarray:
         """Router and experts on the residual h (M, H): each expert runs once on its gathered tokens.
 
         Returns the weighted expert sum (M, H) (before ``post_feedforward_layernorm_2``), a workspace view.
         """
-        config, ops, ws, xp = self.config, self.ops, self.workspace, self.xp
-        M, H = h.shape
-        E, K = config.num_experts, config.top_k_experts
-        z = ws.get("router_in", (M, H))
-        ops.rms_norm(h, w.router_scale, self._eps, z)  # router input: the raw residual (trap T7)
-        xp.multiply(z, self._router_factor, out=z)
-        logits = ws.get("router_logits", (M, E))
-        xp.matmul(z, w.router.T, out=logits)
-        indices, weights = ws.get("top_index", (M, K), np.int64), ws.get("top_weight", (M, K))
-        ops.route(logits, w.per_expert_scale, indices, weights)
-        x = ws.get("expert_in", (M, H))
-        ops.rms_norm(h, w.pre_ffn_norm_2, self._eps, x)
+        return block.experts(self.block_ops, w, h, self.config.num_experts, self.config.top_k_experts)
+
+
+class CpuOps:
+    """``fast.block``'s device operations on the CPU: the compiled kernels (``model.ops``) and the tiled BLAS
+    (``model.xp``) on the model's ``Workspace``. It reads ``model.xp``, ``model.ops`` and the model's
+    ``_gated_mlp`` / ``_experts`` at each call, so that a profiler may wrap them (``bench_fast.py``)."""
+
+    __slots__ = ("model", "ws", "eps", "router_factor")
+
+    def __init__(self, model: Model):
+        self.model, self.ws = model, model.workspace
+        self.eps, self.router_factor = model._eps, model._router_factor
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        return self.ws.get(name, shape, dtype)
+
+    def matmul(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        self.model.xp.matmul(a, b, out=out)
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
+        self.model.ops.rms_norm(x, weight, self.eps, out)
+
+    def router_input(self, h: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
+        self.model.ops.rms_norm(h, weight, self.eps, out)
+        self.model.xp.multiply(out, self.router_factor, out=out)
+
+    def heads(self, proj, N, S, n_h, g, d, has_v, q_norm, k_norm, cos, sin, q, k, v) -> None:
+        self.model.ops.heads(proj.reshape(N, S, -1), n_h, g, d, has_v, q_norm, k_norm, self.eps, cos, sin, q, k, v)
+
+    def residual_norm_add(self, h: np.ndarray, y: np.ndarray, weight: np.ndarray) -> None:
+        self.model.ops.residual_norm_add(h, y, weight, self.eps, _ONE)
+
+    def gated_gelu(self, gate_up: np.ndarray, out: np.ndarray) -> None:
+        self.model.ops.gelu_gate(gate_up, out)
+
+    def route(self, logits, per_expert_scale, indices, weights) -> None:
+        self.model.ops.route(logits, per_expert_scale, indices, weights)
+
+    def gated_mlp(self, x, gate_up, down, out) -> None:
+        self.model._gated_mlp(x, gate_up, down, out)
+
+    def experts(self, w: LayerWeights, h: np.ndarray) -> np.ndarray:
+        return self.model._experts(w, h)
+
+    def expert_mix(self, w: LayerWeights, x: np.ndarray, indices: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """Tokens sorted by expert, every expert once on its block (``fast.experts``), weighted sum (M, H)."""
+        ops, ws = self.model.ops, self.ws
+        M, H = x.shape
+        E, K = self.model.config.num_experts, indices.shape[1]
         offsets = ws.get("expert_offsets", (E + 1,), np.int64)
         order = ws.get("expert_order", (M * K,), np.int64)
         position = ws.get("expert_position", (M, K), np.int64)
         ops.group_by_expert(indices, offsets, order, position)
         grouped = ws.get("expert_x", (M * K, H))
         ops.gather_rows(x, order, grouped)
-        I = config.moe_intermediate_size  # noqa: E741
+        I = self.model.config.moe_intermediate_size  # noqa: E741
         gate_up = ws.get("expert_gate_up", (M * K, 2 * I))
         act = ws.get("expert_act", (M * K, I))
         y = ws.get("expert_y", (M * K, H))
@@ -486,3 +485,48 @@ class Model:
         moe = ws.get("moe", (M, H))
         ops.combine_experts(y, indices, position, weights, moe)
         return moe
+
+    def feed_forward_residual(self, h, dense, moe, w: LayerWeights, scalar) -> int:
+        return self.model.ops.feed_forward_residual(h, dense, moe, w.post_ffn_norm_1, w.post_ffn_norm_2,
+                                                    w.post_ffn_norm, self.eps, scalar)
+
+
+_ONE = np.float32(1.0)
+
+
+class _CpuKeys:
+    """``fast.block``'s key set of one CPU block call: the retained cache plus the call's own keys. The
+    encoder's full layers write their keys straight into the cache slots; its sliding layers put them into
+    the ring right after the attention; the decoder keeps nothing."""
+
+    __slots__ = ("model", "cache", "positions", "rows", "new_real", "decoder", "N", "S")
+
+    def __init__(self, model: Model, cache: KVCache, positions, rows, new_real, decoder: bool, N: int, S: int):
+        self.model, self.cache, self.positions, self.rows = model, cache, positions, rows
+        self.new_real, self.decoder, self.N, self.S = new_real, decoder, N, S
+
+    def _in_place(self, w: LayerWeights) -> bool:
+        return not self.decoder and not w.sliding  # full-layer encode: keys go straight into the cache
+
+    def new_kv(self, l: int, w: LayerWeights):
+        if self._in_place(w):
+            return self.cache.full_layer_slots(l, self.S)
+        shape, ws = (self.N, w.num_kv_heads, self.S, w.head_dim), self.model.workspace
+        return ws.get("new_k", shape), ws.get("new_v", shape)
+
+    def rope(self, l: int):
+        return self.model._rope(self.model.config.layer_types[l], int(self.positions[0]), self.S)
+
+    def attend(self, l: int, w: LayerWeights, q, new_k, new_v, out) -> None:
+        model, cache, positions, new_real, decoder = self.model, self.cache, self.positions, self.new_real, self.decoder
+        if self._in_place(w):
+            ws, empty = model.workspace, (self.N, w.num_kv_heads, 0, w.head_dim)
+            n_cache, keys, values = cache.length + self.S, ws.get("no_k", empty), ws.get("no_v", empty)
+            key_pos, key_real = positions[:0], new_real[:, :0]
+        else:
+            n_cache, keys, values, key_pos, key_real = cache.cached_slots(l), new_k, new_v, positions, new_real
+        window = model.config.sliding_window if (w.sliding and not decoder) else 0
+        attend(model, q, positions, cache.keys[l], cache.values[l], self.rows, n_cache, cache.slot_positions[l],
+               cache.real, keys, values, key_pos, key_real, window, not decoder, out)
+        if not decoder and w.sliding:
+            cache.store_sliding(l, new_k, new_v)

@@ -24,7 +24,8 @@ state, a canvas's draws made ahead, a stop flag read every few steps): see ``can
 
 CuPy is optional: importing this module never imports it. ``Model.from_pretrained(..., device="cuda")``
 raises ``RuntimeError`` naming what is missing (CuPy, a driver, a GPU). The host orchestration is written
-against an array module (``xp``) and a ``Device`` object, so the tests run all of it on the CPU with NumPy
+against an array module (``xp``) and a ``Device`` object (the block itself is ``fast/block.py``'s, shared
+with the CPU model, on ``GpuOps``), so the tests run all of it on the CPU with NumPy
 arrays and the unchanged CUDA kernels executed by the checked CPU executor (``device="cuda-sim"``,
 ``fast/gpu/sim.py``).
 """
@@ -44,6 +45,7 @@ from diffusiongemma.reference.support.observer import NULL_OBSERVER
 from diffusiongemma.reference.primitives import rope_inverse_frequencies, softcap
 from diffusiongemma.reference.support.checkpoint_io import check_tensors, load_checkpoint
 
+from .. import block
 from . import launch as gl
 from ..weights import pack
 from .cache import GpuKVCache
@@ -74,6 +76,7 @@ class Model:
         self._omega = {kind: rope_inverse_frequencies(config.rope_parameters[kind], d)
                        for kind, d in zip(config.layer_types, config.layer_head_dim)}
         self._decoder_memo: tuple | None = None  # (key, device inputs) of the last decoder pass
+        self.block_ops = GpuOps(self)  # fast.block's operations on this model's device
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -155,14 +158,11 @@ class Model:
                                 config.rms_norm_eps))
             pos_dev, real_dev = dev.to_device(positions), dev.to_device(mask)
             tables = self._rope_tables(positions)
-            pending = []
+            keys = _GpuKeys(self, cache, B, n, rows=None, new_pos=pos_dev, new_real=real_dev, tables=tables,
+                            decoder=False)
             for l, w in enumerate(self.layers):
-                attn = _Attention(cache, l, n_cache=cache.cached_slots(l), rows=None, new_pos=pos_dev,
-                                  new_real=real_dev, causal=True,
-                                  window=config.sliding_window if config.is_sliding(l) else 0)
-                k, v = self._layer(h, B, n, l, pos_dev, tables, attn, w.encoder_scalar)
-                pending.append((k, v))
-            for l, (k, v) in enumerate(pending):  # commit only once every layer succeeded
+                block.layer(self.block_ops, keys, l, w, h, B, n, config.num_attention_heads, w.encoder_scalar)
+            for l, (k, v) in enumerate(keys.pending):  # commit only once every layer succeeded
                 cache.store(l, k, v)
             cache.end_append(n)
             if not return_hidden:
@@ -231,14 +231,15 @@ class Model:
             u = u.reshape(n_rows * C, H)
             x = dev.empty((n_rows * C, H), np.float32)
             dev.launch(gl.rms_norm(u, self.sc_pre_norm, x, config.rms_norm_eps))
-            signal = self._gated_mlp(x, self.sc_gate_up, self.sc_down)
+            signal = dev.empty((n_rows * C, self.sc_down.shape[0]), np.float32)
+            block.gated_mlp(self.block_ops, x, self.sc_gate_up, self.sc_down, signal)
         h = dev.empty((n_rows * C, H), np.float32)
         dev.launch(gl.embed(canvas_dev.reshape(-1), self.embed_tokens, config.embed_scale, signal, True, h,
                             config.rms_norm_eps))
+        keys = _GpuKeys(self, cache, n_rows, C, rows=cache_rows, new_pos=pos_dev, new_real=ones, tables=tables,
+                        decoder=True)
         for l, w in enumerate(self.layers):
-            attn = _Attention(cache, l, n_cache=cache.cached_slots(l), rows=cache_rows, new_pos=pos_dev,
-                              new_real=ones, causal=False, window=0)
-            self._layer(h, n_rows, C, l, pos_dev, tables, attn, w.decoder_scalar)
+            block.layer(self.block_ops, keys, l, w, h, n_rows, C, config.num_attention_heads, w.decoder_scalar)
         hf = dev.empty((n_rows * C, H), np.float32)
         dev.launch(gl.rms_norm(h, self.final_norm, hf, config.rms_norm_eps))
         for i, b in enumerate(rows):  # tied lm_head straight into the buffer rows
@@ -268,62 +269,58 @@ class Model:
             tables[kind] = (self.device.to_device(np.cos(angles)), self.device.to_device(np.sin(angles)))
         return tables
 
-    def _layer(self, h, N: int, S: int, l: int, pos_dev, tables: dict, attn: "_Attention", scalar: float):
-        """One block on the residual ``h`` (N*S, H), in place. Returns this call's keys and values
-        (N, g, S, d) (the encoder stores them in the cache)."""
-        config, dev, w = self.config, self.device, self.layers[l]
-        eps, H = config.rms_norm_eps, config.hidden_size
-        n_h, g, d = config.num_attention_heads, config.layer_num_key_value_heads[l], config.layer_head_dim[l]
-        has_v = config.is_sliding(l)
-        x = dev.empty((N * S, H), np.float32)
-        dev.launch(gl.rms_norm(h, w.input_norm, x, eps))
-        proj = dev.empty((N * S, w.qkv.shape[0]), np.float32)
-        dev.xp.matmul(x, w.qkv.T, out=proj)
-        q = dev.empty((N, S, n_h, d), np.float32)
-        k = dev.empty((N, g, S, d), np.float32)
-        v = dev.empty((N, g, S, d), np.float32)
-        cos, sin = tables[config.layer_types[l]]
-        dev.launch(gl.qkv_heads(proj, N, S, n_h, g, d, has_v, w.q_norm, w.k_norm, cos, sin, q, k, v, eps))
-        heads = dev.empty((N, S, n_h * d), np.float32)
-        dev.launch(attn.launch(q, pos_dev, k, v, heads))
-        y = dev.empty((N * S, H), np.float32)
-        dev.xp.matmul(heads.reshape(N * S, n_h * d), w.o_proj.T, out=y)
-        dev.launch(gl.residual_norm(h, y, w.post_attention_norm, 1.0, eps))
-        dev.launch(gl.rms_norm(h, w.pre_ffn_norm, x, eps))
-        dense = self._gated_mlp(x, w.mlp_gate_up, w.mlp_down)
-        moe = self._experts(h, w)
-        dev.launch(gl.ffn_tail(h, dense, moe, w.post_ffn_norm_1, w.post_ffn_norm_2,
-                               w.post_ffn_norm, scalar, eps))
-        return k, v
+class GpuOps:
+    """``fast.block``'s device operations on a ``CupyDevice`` / ``SimDevice`` (or a wrapper: counting,
+    capture): cuBLAS products through ``device.xp``, the CUDA kernels through ``device.launch`` (``launch.py``),
+    every buffer fresh from the device's pool (a captured pass keeps the buffers it used). Never copies
+    between host and device."""
 
-    def _gated_mlp(self, x, gate_up, down):
-        """``(gelu(x G^T) * (x U^T)) D^T`` with [G; U] fused: x (N, H) -> (N, H_out) device arrays."""
-        dev = self.device
-        N = x.shape[0]
-        inner = gate_up.shape[0] // 2
-        gu = dev.empty((N, 2 * inner), np.float32)
-        dev.xp.matmul(x, gate_up.T, out=gu)
-        act = dev.empty((N, inner), np.float32)
-        dev.launch(gl.gated_gelu(gu, act))
-        out = dev.empty((N, down.shape[0]), np.float32)
-        dev.xp.matmul(act, down.T, out=out)
-        return out
+    def __init__(self, model: "Model"):
+        self.model, self.config = model, model.config
+        self.eps = float(model.config.rms_norm_eps)
+        self.router_factor = float(np.float32(model.config.hidden_size ** -0.5))
 
-    def _experts(self, h, w: dict):
-        """Routed experts of the residual ``h`` (N, H): router on the raw residual, experts on
-        pre_feedforward_layernorm_2(h) (SPEC §4.2 steps 10-11, trap T7); returns (N, H) before its norm."""
-        config, dev = self.config, self.device
-        N, H = h.shape
-        E, K, I_e, eps = config.num_experts, config.top_k_experts, config.moe_intermediate_size, config.rms_norm_eps
-        z = dev.empty((N, H), np.float32)
-        dev.launch(gl.rms_norm(h, w.router_scale, z, eps, post=float(np.float32(H ** -0.5))))
-        probs = dev.empty((N, E), np.float32)
-        dev.xp.matmul(z, w.router.T, out=probs)
-        indices = dev.empty((N, K), np.int64)
-        weights = dev.empty((N, K), np.float32)
-        dev.launch(gl.router(probs, w.per_expert_scale, indices, weights))
-        xe = z  # reuse: the router input is no longer needed
-        dev.launch(gl.rms_norm(h, w.pre_ffn_norm_2, xe, eps))
+    @property
+    def dev(self) -> Any:
+        return self.model.device
+
+    def buffer(self, name: str, shape: tuple, dtype: Any = np.float32) -> Any:
+        return self.model.device.empty(shape, dtype)
+
+    def matmul(self, a, b, out) -> None:
+        self.model.device.xp.matmul(a, b, out=out)
+
+    def rms_norm(self, x, weight, out) -> None:
+        self.model.device.launch(gl.rms_norm(x, weight, out, self.eps))
+
+    def router_input(self, h, weight, out) -> None:
+        self.model.device.launch(gl.rms_norm(h, weight, out, self.eps, post=self.router_factor))
+
+    def heads(self, proj, N, S, n_h, g, d, has_v, q_norm, k_norm, cos, sin, q, k, v) -> None:
+        self.model.device.launch(gl.qkv_heads(proj, N, S, n_h, g, d, has_v, q_norm, k_norm, cos, sin, q, k, v,
+                                              self.eps))
+
+    def residual_norm_add(self, h, y, weight) -> None:
+        self.model.device.launch(gl.residual_norm(h, y, weight, 1.0, self.eps))
+
+    def gated_gelu(self, gate_up, out) -> None:
+        self.model.device.launch(gl.gated_gelu(gate_up, out))
+
+    def route(self, logits, per_expert_scale, indices, weights) -> None:
+        self.model.device.launch(gl.router(logits, per_expert_scale, indices, weights))
+
+    def gated_mlp(self, x, gate_up, down, out) -> None:
+        block.gated_mlp(self, x, gate_up, down, out)
+
+    def experts(self, w, h) -> Any:
+        return block.experts(self, w, h, self.config.num_experts, self.config.top_k_experts)
+
+    def expert_mix(self, w, x, indices, weights) -> Any:
+        """Tokens grouped by expert into tiles, two grouped GEMMs around the gated GELU, the weighted
+        combination (N, H); no host synchronisation."""
+        dev = self.model.device
+        N, H = x.shape
+        E, K, I_e = self.config.num_experts, indices.shape[1], self.config.moe_intermediate_size
         tiles, rows = gl.moe_rows(N, K, E)
         offsets = dev.empty((E + 1,), np.int32)
         row_token = dev.empty((rows,), np.int32)
@@ -331,7 +328,7 @@ class Model:
         tile_expert = dev.empty((tiles,), np.int32)
         dev.launch(gl.group_experts(indices, E, offsets, row_token, choice_row, tile_expert))
         xg = dev.empty((rows, H), np.float32)
-        dev.launch(gl.gather_rows(xe, row_token, xg))
+        dev.launch(gl.gather_rows(x, row_token, xg))
         gu = dev.zeros((rows, 2 * I_e), np.float32)
         dev.launch(gl.grouped_gemm_nt(xg, w.expert_gate_up, tile_expert, gu))
         act = dev.empty((rows, I_e), np.float32)
@@ -342,23 +339,47 @@ class Model:
         dev.launch(gl.combine_experts(yo, indices, choice_row, weights, out))
         return out
 
+    def feed_forward_residual(self, h, dense, moe, w, scalar) -> int:
+        """The block's fused tail; 0: the GPU pass counts no non-finite rows (``diagnosis.py`` does)."""
+        self.model.device.launch(gl.ffn_tail(h, dense, moe, w.post_ffn_norm_1, w.post_ffn_norm_2,
+                                             w.post_ffn_norm, scalar, self.eps))
+        return 0
 
-class _Attention:
-    """The key set of one layer's attention call: the cache's leading slots plus the call's own keys."""
 
-    def __init__(self, cache: GpuKVCache, layer: int, n_cache: int, rows, new_pos, new_real, causal: bool,
-                 window: int):
-        self.cache, self.layer, self.n_cache, self.rows = cache, layer, n_cache, rows
-        self.new_pos, self.new_real, self.causal, self.window = new_pos, new_real, causal, window
+class _GpuKeys:
+    """``fast.block``'s key set of one GPU pass: each layer's retained cache slots plus the call's own keys
+    (fresh buffers of ``model.device``, which a capture replaces by its recorder). The encoder (causal, a
+    sliding window on sliding layers) keeps every layer's new keys and values in ``pending`` for the model
+    to commit once all layers succeeded; the decoder reads the cache rows ``rows`` bidirectionally and
+    keeps nothing."""
 
-    def launch(self, q, q_pos, new_k, new_v, out) -> gl.Launch:
-        c, l = self.cache, self.layer
-        if self.n_cache > 0:
-            return gl.attention(q, q_pos, c.keys[l], c.values[l], self.rows, self.n_cache,
-                                c.slot_positions_device(l), c.real, new_k, new_v, self.new_pos, self.new_real,
-                                self.window, self.causal, out)
-        return gl.attention(q, q_pos, None, None, None, 0, None, None, new_k, new_v, self.new_pos, self.new_real,
-                            self.window, self.causal, out)
+    def __init__(self, model: "Model", cache: GpuKVCache, N: int, S: int, rows, new_pos, new_real, tables: dict,
+                 decoder: bool):
+        self.model, self.cache, self.N, self.S, self.rows = model, cache, N, S, rows
+        self.new_pos, self.new_real, self.tables, self.decoder = new_pos, new_real, tables, decoder
+        self.pending: list = []
+
+    def new_kv(self, l: int, w) -> tuple:
+        dev, shape = self.model.device, (self.N, w.num_kv_heads, self.S, w.head_dim)  # (a capture's recorder)
+        return dev.empty(shape, np.float32), dev.empty(shape, np.float32)
+
+    def rope(self, l: int) -> tuple:
+        return self.tables[self.cache.config.layer_types[l]]
+
+    def attend(self, l: int, w, q, new_k, new_v, out) -> None:
+        c = self.cache
+        window = c.config.sliding_window if (w.sliding and not self.decoder) else 0
+        causal, n_cache = not self.decoder, c.cached_slots(l)
+        if n_cache > 0:
+            launch = gl.attention(q, self.new_pos, c.keys[l], c.values[l], self.rows, n_cache,
+                                  c.slot_positions_device(l), c.real, new_k, new_v, self.new_pos, self.new_real,
+                                  window, causal, out)
+        else:
+            launch = gl.attention(q, self.new_pos, None, None, None, 0, None, None, new_k, new_v, self.new_pos,
+                                  self.new_real, window, causal, out)
+        self.model.device.launch(launch)
+        if not self.decoder:
+            self.pending.append((new_k, new_v))
 
 
 # ================================================================================================ sampling state

@@ -1,0 +1,108 @@
+"""One transformer block of the fast paths, written once for the CPU and the GPU (SPEC §4).
+
+``layer`` is the host-side order of one encoder or decoder block: input norm, fused q/k(/v) projection,
+per-head norms with RoPE, attention over the KV cache plus the call's own keys, output projection,
+post-attention norm and residual, then the dense MLP and the routed experts side by side and the block's
+fused tail (three norms, residual, layer scalar). ``gated_mlp`` (the dense MLP and the self-conditioning
+MLP) and ``experts`` (router on the raw residual, experts on ``pre_feedforward_layernorm_2``, trap T7) are
+the two sub-sequences both backends share. Every array operation goes through two objects:
+
+* ``ops``, the device's operations (``fast.model.CpuOps``: the Cython kernels and the tiled BLAS on
+  ``Workspace`` buffers; ``fast.gpu.model.GpuOps``: CUDA launches and cuBLAS on a ``CupyDevice`` /
+  ``SimDevice``, fresh device buffers so that a captured pass keeps each of them): ``buffer(name, shape,
+  dtype)``, ``matmul(a, b, out)``, ``rms_norm(x, weight, out)``, ``router_input(h, weight, out)``
+  (``rms_norm * hidden_size ** -0.5``), ``heads(...)``, ``residual_norm_add(h, y, weight)``,
+  ``gated_gelu(gate_up, out)``, ``route(...)``, ``expert_mix(w, x, indices, weights)`` (the experts after
+  routing, in the device's own layout), ``feed_forward_residual(h, dense, moe, w, scalar)`` (returns how
+  many rows of the new residual are not finite, or 0 where the device does not check), and, so that a
+  profiler can wrap them, ``gated_mlp`` / ``experts`` (normally this module's functions);
+* ``keys``, the pass's key set (one per backend and pass): ``new_kv(l, w)`` returns storage for the call's
+  keys and values (N, g, S, d), ``rope(l)`` the (S, d/2) cos and sin, ``attend(l, w, q, k, v, out)`` runs
+  the attention and keeps what the pass keeps of the new keys.
+
+Nothing here copies between host and device, so a decoder pass on the GPU stays capturable (``graph.py``).
+
+What still differs between the backends, behind those objects (and why):
+
+* buffers: the CPU reuses named ``Workspace`` buffers; the GPU allocates each from its memory pool (a
+  captured pass keeps every buffer it used, so nothing may be reused across passes behind its back);
+* encoder keys: the CPU writes a full layer's keys straight into the cache slots and a sliding layer's into
+  its ring right after its attention, marking the cache unusable if the pass fails midway; the GPU keeps
+  every layer's keys and commits them after the last layer (the cache is unchanged on failure);
+* non-finite checks: the CPU's fused tail counts non-finite rows per layer and the model raises
+  ``NonFiniteError`` naming the layer; the GPU pass has no per-layer check (a flagged step is re-run on the
+  host, ``fast/gpu/diagnosis.py``);
+* the router's scaling: the CPU multiplies after its norm kernel, the GPU folds it into the norm's ``post``
+  factor (the same float32 product of the same rounded values);
+* the experts: CPU panels of a register-tiled kernel (Q8_0 or bf16 kept), GPU grouping into tiles and a
+  grouped GEMM;
+* RoPE tables: memoised per (layer type, start, length) on the CPU; uploaded once per pass (and kept for a
+  canvas's steps) on the GPU;
+* the pass around the blocks (embedding, self-conditioning signal, final norm, tied head, soft-cap, input
+  checks) is still each model's own: see ``fast/model.py`` and ``fast/gpu/model.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["layer", "gated_mlp", "experts"]
+
+
+def layer(ops: Any, keys: Any, l: int, w: Any, h: Any, N: int, S: int, num_heads: int, scalar: Any) -> int:
+    """Block ``l`` (weights ``w``, a ``fast.weights.LayerWeights``) on the residual ``h`` (N*S, H), in place.
+
+    S: tokens per row (the encoder's new tokens, or the canvas); num_heads: query heads; scalar: the
+    encoder's or the decoder's layer scalar. Returns the number of rows of the new ``h`` that are not finite
+    (0 normally, and always 0 on a device that does not count them).
+    """
+    M, H = h.shape
+    g, d = w.num_kv_heads, w.head_dim
+    x = ops.buffer("x", (M, H))
+    ops.rms_norm(h, w.input_norm, x)
+    proj = ops.buffer("proj", (M, w.qkv.shape[0]))
+    ops.matmul(x, w.qkv.T, proj)
+    q = ops.buffer("q", (N, S, num_heads, d))
+    new_k, new_v = keys.new_kv(l, w)
+    cos, sin = keys.rope(l)
+    ops.heads(proj, N, S, num_heads, g, d, w.sliding, w.q_norm, w.k_norm, cos, sin, q, new_k, new_v)
+    attn = ops.buffer("attn", (N, S, num_heads * d))
+    keys.attend(l, w, q, new_k, new_v, attn)
+    o = ops.buffer("o", (M, H))
+    ops.matmul(attn.reshape(M, num_heads * d), w.o_proj.T, o)
+    ops.residual_norm_add(h, o, w.post_attention_norm)
+    # feed-forward: dense MLP and routed experts side by side (SPEC §4.2); x is free again
+    ops.rms_norm(h, w.pre_ffn_norm, x)
+    dense = ops.buffer("dense", (M, H))
+    ops.gated_mlp(x, w.mlp_gate_up, w.mlp_down, dense)
+    moe = ops.experts(w, h)
+    return ops.feed_forward_residual(h, dense, moe, w, scalar)
+
+
+def gated_mlp(ops: Any, x: Any, gate_up: Any, down: Any, out: Any) -> None:
+    """``out = (gelu(x G^T) * (x U^T)) D^T`` with [G; U] stacked in ``gate_up`` (2I, H); x (M, H), out
+    (M, down.shape[0])."""
+    M = x.shape[0]
+    gu = ops.buffer("gate_up", (M, gate_up.shape[0]))
+    ops.matmul(x, gate_up.T, gu)
+    act = ops.buffer("act", (M, down.shape[1]))
+    ops.gated_gelu(gu, act)
+    ops.matmul(act, down.T, out)
+
+
+def experts(ops: Any, w: Any, h: Any, num_experts: int, top_k: int) -> Any:
+    """Router and experts on the residual ``h`` (M, H): the router reads ``rms_norm(h) * router_scale *
+    H^-0.5`` (the raw residual, trap T7), the experts ``pre_feedforward_layernorm_2(h)``. Returns the
+    weighted expert sum (M, H) before ``post_feedforward_layernorm_2`` (a buffer of ``ops``)."""
+    M, H = h.shape
+    z = ops.buffer("router_in", (M, H))
+    ops.router_input(h, w.router_scale, z)
+    logits = ops.buffer("router_logits", (M, num_experts))
+    ops.matmul(z, w.router.T, logits)
+    indices, weights = ops.buffer("top_index", (M, top_k), np.int64), ops.buffer("top_weight", (M, top_k))
+    ops.route(logits, w.per_expert_scale, indices, weights)
+    x = ops.buffer("expert_in", (M, H))
+    ops.rms_norm(h, w.pre_ffn_norm_2, x)
+    return ops.expert_mix(w, x, indices, weights)
