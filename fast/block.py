@@ -38,8 +38,11 @@ What still differs between the backends, behind those objects (and why):
   grouped GEMM;
 * RoPE tables: memoised per (layer type, start, length) on the CPU; uploaded once per pass (and kept for a
   canvas's steps) on the GPU;
-* the pass around the blocks (embedding, self-conditioning signal, final norm, tied head, soft-cap, input
-  checks) is still each model's own: see ``fast/model.py`` and ``fast/gpu/model.py``.
+* the checks of a call's inputs are this module's (``encode_inputs``, ``denoise_inputs``, ``check_cache``),
+  but only the CPU refuses a pass whose activations exceed the host's free memory (``check_pass_memory``:
+  the GPU's activations live on the device, whose allocator says so itself);
+* the pass around the blocks (embedding, self-conditioning signal, final norm, tied head, soft-cap) is still
+  each model's own: see ``fast/model.py`` and ``fast/gpu/model.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +51,45 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["layer", "gated_mlp", "experts"]
+from diffusiongemma.reference.support.checks import (check_attention_mask, check_denoise_inputs, check_positions,
+                                                     check_token_ids)
+from diffusiongemma.reference.support.errors import InputError
+
+__all__ = ["check_cache", "encode_inputs", "denoise_inputs", "layer", "gated_mlp", "experts"]
+
+
+# ------------------------------------------------------------------------------------------ the shared checks
+def check_cache(cache: Any, cache_class: type) -> Any:
+    """``cache`` if it is a ``cache_class`` still usable; ``InputError`` otherwise (a foreign object, or a
+    cache an encode call left unusable when it failed midway)."""
+    if not isinstance(cache, cache_class):
+        raise InputError(f"cache must be a {cache_class.__name__} from Model.new_cache, got {type(cache).__name__}")
+    if getattr(cache, "unusable", None):
+        raise InputError(f"this cache cannot be used any more: {cache.unusable}; start a new one")
+    return cache
+
+
+def encode_inputs(config: Any, input_ids: Any, cache: Any, attention_mask: Any, cache_class: type) -> tuple:
+    """The reference's checks of an ``encode`` call (SPEC §6), on the host, before anything is computed:
+    returns the ids (B, n) int64 and the mask (B, n) uint8. ``InputError`` for a foreign or unusable cache,
+    ids out of range or of the wrong shape, no tokens, a misshapen mask, positions past
+    ``max_position_embeddings``."""
+    ids = check_token_ids("input_ids", input_ids, check_cache(cache, cache_class).batch_size, config.vocab_size)
+    B, n = ids.shape
+    if n == 0:
+        raise InputError("input_ids has no tokens (shape (B, 0))")
+    mask = check_attention_mask(attention_mask, (B, n)).astype(np.uint8)
+    check_positions(config, cache.length, n, f"input_ids ({n} tokens)")
+    return ids, mask
+
+
+def denoise_inputs(config: Any, canvas: Any, cache: Any, sc_logits: Any, sc_mask: Any, cache_class: type) -> tuple:
+    """The reference's checks of a ``denoise`` call (SPEC §7): ``check_denoise_inputs`` (ids, shapes, the
+    self-conditioning logits and mask) and the canvas's positions; returns its (ids, logits, mask)."""
+    checked = check_denoise_inputs(config, canvas, check_cache(cache, cache_class).batch_size, sc_logits, sc_mask)
+    C = checked[0].shape[1]
+    check_positions(config, cache.length, C, f"the canvas ({C} tokens)")
+    return checked
 
 
 def layer(ops: Any, keys: Any, l: int, w: Any, h: Any, N: int, S: int, num_heads: int, scalar: Any) -> int:

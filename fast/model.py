@@ -40,8 +40,7 @@ import numpy as np
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.generate import ReferenceBackend
 from diffusiongemma.reference.support.errors import ConfigError, InputError
-from diffusiongemma.reference.support.checks import (check_attention_mask, check_denoise_inputs, check_pass_memory,
-                                                     check_positions, check_token_ids)
+from diffusiongemma.reference.support.checks import check_pass_memory, check_positions
 from diffusiongemma.reference.support.diagnosis import non_finite_error
 from diffusiongemma.reference.support.observer import NULL_OBSERVER
 from diffusiongemma.reference.primitives import rope_inverse_frequencies
@@ -197,17 +196,6 @@ class Model:
             return ReferenceBackend(denoiser, draws, self.config.vocab_size, batch_size, observer=observer)
         return CpuBackend(self, draws, batch_size, observer=observer)
 
-    # ------------------------------------------------------------------ input checks (the reference's)
-    def _check_cache(self, cache: KVCache) -> KVCache:
-        if not isinstance(cache, KVCache):
-            raise InputError(f"cache must be a KVCache from Model.new_cache, got {type(cache).__name__}")
-        if getattr(cache, "unusable", None):
-            raise InputError(f"this cache cannot be used any more: {cache.unusable}; start a new one")
-        return cache
-
-    def _check_ids(self, name: str, ids: np.ndarray, cache: KVCache) -> np.ndarray:
-        return check_token_ids(name, ids, self._check_cache(cache).batch_size, self.config.vocab_size)
-
     # ------------------------------------------------------------------ encoder
     @_serial_blas
     def encode(self, input_ids: np.ndarray, cache: KVCache, attention_mask: np.ndarray | None = None) -> np.ndarray:
@@ -223,14 +211,10 @@ class Model:
         error, KeyboardInterrupt, MemoryError) can leave the sliding rings partly updated, so it marks the
         cache unusable: later calls with it raise ``InputError``.
         """
-        ids = self._check_ids("input_ids", input_ids, cache)
+        ids, mask = block.encode_inputs(self.config, input_ids, cache, attention_mask, KVCache)  # the shared checks
         B, n = ids.shape
-        if n == 0:
-            raise InputError("input_ids has no tokens (shape (B, 0))")
-        mask = check_attention_mask(attention_mask, (B, n)).astype(np.uint8)
         config, ops, ws = self.config, self.ops, self.workspace
         L = cache.length
-        check_positions(config, L, n, f"input_ids ({n} tokens)")
         check_pass_memory(config, B * n, f"encoding input_ids ({B} x {n} tokens)")  # before the workspace grows
         positions = L + np.arange(n, dtype=np.int64)  # (n,)
         rows = np.arange(B, dtype=np.int64)
@@ -268,8 +252,8 @@ class Model:
         SPEC §7; the self-conditioning softmax is computed inside ``out`` (no second (C, V) buffer).
         """
         config = self.config
-        ids, sc, self_conditioning_mask = check_denoise_inputs(
-            config, canvas, self._check_cache(cache).batch_size, self_conditioning_logits, self_conditioning_mask)
+        ids, sc, self_conditioning_mask = block.denoise_inputs(config, canvas, cache, self_conditioning_logits,
+                                                               self_conditioning_mask, KVCache)
         B, C = ids.shape
         V = config.vocab_size
         if out is None:

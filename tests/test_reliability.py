@@ -540,11 +540,14 @@ def test_max_new_tokens_beyond_the_positions_is_refused_up_front(backend):
         generate_module.generate(model, np.array([[5, 6, 7]]), max_new_tokens=10 ** 9, encoder=_sentinel_encoder)
 
 
-@pytest.mark.parametrize("backend", ["reference", "fast"])
+@pytest.mark.parametrize("backend", ["reference", "fast", "cuda-sim"])
 def test_a_prompt_longer_than_max_position_embeddings_is_refused(backend):
     config, tensors = tiny(max_position_embeddings=64)
-    model_class = ReferenceModel if backend == "reference" else importlib.import_module("diffusiongemma.fast.model").Model
-    model = model_class(config, tensors)
+    if backend == "cuda-sim":  # the GPU model's checks are the CPU model's (fast/block.py)
+        model = importlib.import_module("diffusiongemma.fast.gpu.model").Model(config, tensors, device="cuda-sim")
+    else:
+        model_class = ReferenceModel if backend == "reference" else importlib.import_module("diffusiongemma.fast.model").Model
+        model = model_class(config, tensors)
     prompt = np.full((1, 65), 5)
     with pytest.raises(InputError, match=r"positions 0\.\.64, but this model has max_position_embeddings=64"):
         model.encode(prompt, model.new_cache(1))

@@ -40,7 +40,6 @@ import numpy as np
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.support.errors import InputError
 from diffusiongemma.reference.generate import ReferenceBackend, generate
-from diffusiongemma.reference.support.checks import check_attention_mask, check_denoise_inputs, check_token_ids
 from diffusiongemma.reference.support.observer import NULL_OBSERVER
 from diffusiongemma.reference.primitives import rope_inverse_frequencies, softcap
 from diffusiongemma.reference.support.checkpoint_io import check_tensors, load_checkpoint
@@ -122,32 +121,21 @@ class Model:
         with self.device.context():
             return GpuKVCache(self.config, batch_size, self.device)
 
-    # ------------------------------------------------------------------ checks
-    def _check_cache(self, cache: Any) -> GpuKVCache:
-        if not isinstance(cache, GpuKVCache):
-            raise InputError(f"cache must be a GpuKVCache from Model.new_cache, got {type(cache).__name__}")
-        return cache
-
-    def _check_ids(self, name: str, ids: Any, cache: Any) -> np.ndarray:
-        return check_token_ids(name, ids, self._check_cache(cache).batch_size, self.config.vocab_size)
-
     # ------------------------------------------------------------------ encoder
     def encode(self, input_ids: Any, cache: GpuKVCache, attention_mask: Any = None) -> np.ndarray:
         """Run the causal encoder over new tokens and append their keys/values to ``cache``.
 
         input_ids: (B, n) int ids in [0, V) at positions ``cache.length ..`` (padding included, trap T18).
         attention_mask: (B, n) of 0/1, default all ones. Returns the final-norm hidden states (B, n, H)
-        float32 on the host (upstream ``last_hidden_state``). Raises ``InputError`` for bad ids, shapes or
-        a cache of another batch size; the cache's length is unchanged on error.
+        float32 on the host (upstream ``last_hidden_state``). Raises ``InputError`` for bad ids, shapes,
+        a cache of another batch size or positions past ``max_position_embeddings`` (``fast.block``'s checks,
+        the CPU model's); the cache's length is unchanged on error.
         """
         return self._encode(input_ids, cache, attention_mask, return_hidden=True)
 
     def _encode(self, input_ids: Any, cache: GpuKVCache, attention_mask: Any, return_hidden: bool):
-        ids = self._check_ids("input_ids", input_ids, cache)
+        ids, mask = block.encode_inputs(self.config, input_ids, cache, attention_mask, GpuKVCache)  # shared checks
         B, n = ids.shape
-        if n == 0:
-            raise InputError("input_ids has no tokens (shape (B, 0))")
-        mask = check_attention_mask(attention_mask, (B, n)).astype(np.uint8)
         config, dev = self.config, self.device
         with dev.context():
             L = cache.length
@@ -180,11 +168,12 @@ class Model:
         self_conditioning_logits: (B, C, V) float32 (host or device) or None (first step: no signal).
         self_conditioning_mask: (B,) bool or None (training: rows with False get no signal).
         Returns a NumPy array, or the device array when ``device_output``. Never writes the cache.
-        Raises ``InputError`` like ``reference.model.Model.denoise``.
+        Raises ``InputError`` like ``reference.model.Model.denoise`` (``fast.block.denoise_inputs``, positions
+        past ``max_position_embeddings`` included).
         """
         config, dev = self.config, self.device
-        ids, sc_in, mask = check_denoise_inputs(config, canvas, self._check_cache(cache).batch_size,
-                                                self_conditioning_logits, self_conditioning_mask)
+        ids, sc_in, mask = block.denoise_inputs(config, canvas, cache, self_conditioning_logits,
+                                                self_conditioning_mask, GpuKVCache)
         B, C = ids.shape
         V = config.vocab_size
         with dev.context():
