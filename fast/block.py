@@ -5,20 +5,29 @@ per-head norms with RoPE, attention over the KV cache plus the call's own keys, 
 post-attention norm and residual, then the dense MLP and the routed experts side by side and the block's
 fused tail (three norms, residual, layer scalar). ``gated_mlp`` (the dense MLP and the self-conditioning
 MLP) and ``experts`` (router on the raw residual, experts on ``pre_feedforward_layernorm_2``, trap T7) are
-the two sub-sequences both backends share. Every array operation goes through two objects:
+its two sub-sequences. Around it, also once: ``blocks`` (every layer in order, the encoder's or the decoder's
+layer scalars, the error naming the first layer whose output is not finite), ``encoder_hidden`` (embedding
+and blocks), ``decoder_hidden`` (canvas embedding plus the self-conditioning signal, its check, blocks,
+final norm), ``self_conditioning_signal`` (SPEC §7.1), and the reference's input checks of ``encode`` and
+``denoise`` (``encode_inputs``, ``denoise_inputs``, ``check_cache``). A new dtype changes the ops objects
+and the weights they hold, not this order. Every array operation goes through two objects:
 
 * ``ops``, the device's operations (``fast.model.CpuOps``: the Cython kernels and the tiled BLAS on
   ``Workspace`` buffers; ``fast.gpu.model.GpuOps``: CUDA launches and cuBLAS on a ``CupyDevice`` /
   ``SimDevice``, fresh device buffers so that a captured pass keeps each of them): ``buffer(name, shape,
-  dtype)``, ``matmul(a, b, out)``, ``rms_norm(x, weight, out)``, ``router_input(h, weight, out)``
-  (``rms_norm * hidden_size ** -0.5``), ``heads(...)``, ``residual_norm_add(h, y, weight)``,
-  ``gated_gelu(gate_up, out)``, ``route(...)``, ``expert_mix(w, x, indices, weights)`` (the experts after
-  routing, in the device's own layout), ``feed_forward_residual(h, dense, moe, w, scalar)`` (returns how
-  many rows of the new residual are not finite, or 0 where the device does not check), and, so that a
-  profiler can wrap them, ``gated_mlp`` / ``experts`` (normally this module's functions);
+  dtype)``, ``matmul(a, b, out)``, ``embed(ids, table, signal, normed, out)``, ``rms_norm(x, weight,
+  out)``, ``router_input(h, weight, out)`` (``rms_norm * hidden_size ** -0.5``), ``heads(...)``,
+  ``residual_norm_add(h, y, weight)``, ``gated_gelu(gate_up, out)``, ``route(...)``, ``expert_mix(w, x,
+  indices, weights)`` (the experts after routing, in the device's own layout), ``feed_forward_residual(h,
+  dense, moe, w, scalar)`` (returns how many rows of the new residual are not finite, or 0 where the
+  device does not check), ``count_non_finite_rows(h)`` and ``non_finite(...)`` (the error naming the
+  stage and layer), the self-conditioning input's ``probs_times_embedding``, ``scale`` and ``mask_rows``,
+  and, so that a profiler can wrap them (``benchmarks/bench_fast.py``), ``layer``, ``gated_mlp`` and
+  ``experts`` (normally this module's functions);
 * ``keys``, the pass's key set (one per backend and pass): ``new_kv(l, w)`` returns storage for the call's
   keys and values (N, g, S, d), ``rope(l)`` the (S, d/2) cos and sin, ``attend(l, w, q, k, v, out)`` runs
-  the attention and keeps what the pass keeps of the new keys.
+  the attention and keeps what the pass keeps of the new keys; ``cache``, the pass's cache (named by the
+  non-finite error).
 
 Nothing here copies between host and device, so a decoder pass on the GPU stays capturable (``graph.py``).
 
@@ -41,8 +50,13 @@ What still differs between the backends, behind those objects (and why):
 * the checks of a call's inputs are this module's (``encode_inputs``, ``denoise_inputs``, ``check_cache``),
   but only the CPU refuses a pass whose activations exceed the host's free memory (``check_pass_memory``:
   the GPU's activations live on the device, whose allocator says so itself);
-* the pass around the blocks (embedding, self-conditioning signal, final norm, tied head, soft-cap) is still
-  each model's own: see ``fast/model.py`` and ``fast/gpu/model.py``.
+* the self-conditioning input: the CPU multiplies the probabilities of contiguous rows by the embedding in
+  one product (else row by row), the GPU row by row; a row switched off by the training mask is
+  multiplied by 0 on the CPU, set to 0 on the GPU;
+* the tied head and the soft-cap stay each model's own: the CPU caps (and checks) the logits it writes
+  row by row, the GPU writes raw logits into its step's buffer (capped by the sampling kernel);
+* the self-conditioning softmax before the pass: a CPU kernel, or the GPU's sampling kernel at zero
+  temperature.
 """
 
 from __future__ import annotations
@@ -55,7 +69,8 @@ from diffusiongemma.reference.support.checks import (check_attention_mask, check
                                                      check_token_ids)
 from diffusiongemma.reference.support.errors import InputError
 
-__all__ = ["check_cache", "encode_inputs", "denoise_inputs", "layer", "gated_mlp", "experts"]
+__all__ = ["check_cache", "encode_inputs", "denoise_inputs", "encoder_hidden", "decoder_hidden",
+           "self_conditioning_signal", "blocks", "layer", "gated_mlp", "experts"]
 
 
 # ------------------------------------------------------------------------------------------ the shared checks
@@ -92,6 +107,63 @@ def denoise_inputs(config: Any, canvas: Any, cache: Any, sc_logits: Any, sc_mask
     return checked
 
 
+# ------------------------------------------------------------------------------------------ the passes
+def encoder_hidden(ops: Any, keys: Any, model: Any, ids: Any, N: int, S: int) -> Any:
+    """The encoder's residual after its last block (N*S, H), before the final norm (SPEC §6): the scaled
+    token embedding (no input norm) of ``ids`` (N*S,) int64 (on the device), then every block causally.
+    The caller stores the keys (``keys``) and applies the final norm where it needs the hidden states."""
+    h = ops.buffer("h", (N * S, model.config.hidden_size))
+    ops.embed(ids, model.embed_tokens, None, False, h)
+    blocks(ops, keys, model, h, N, S, decoder=False)
+    return h
+
+
+def decoder_hidden(ops: Any, keys: Any, model: Any, canvas: Any, N: int, C: int, signal: Any) -> Any:
+    """The decoder's final-norm hidden states (N*C, H) (SPEC §7): the canvas embedding ``canvas`` (N*C,)
+    int64 (on the device) plus the self-conditioning ``signal`` (N*C, H) or None, normed, then every block
+    bidirectionally over the retained cache, then ``final_norm``. The tied head and the soft-cap are the
+    caller's (the CPU writes capped logits row by row, the GPU raw logits into its step's buffer)."""
+    M, H = N * C, model.config.hidden_size
+    h = ops.buffer("h", (M, H))
+    ops.embed(canvas, model.embed_tokens, signal, True, h)
+    if ops.count_non_finite_rows(h):
+        raise ops.non_finite("denoise", "the decoder input (canvas embedding + self-conditioning)",
+                             h.reshape(N, C, H), None, None)
+    blocks(ops, keys, model, h, N, C, decoder=True)
+    hn = ops.buffer("x", (M, H))
+    ops.rms_norm(h, model.final_norm, hn)
+    return hn
+
+
+def self_conditioning_signal(ops: Any, model: Any, probs: Any, rows: Any, C: int, sc_mask: Any) -> Any:
+    """SPEC §7.1: ``u = probs[rows] @ E * embed_scale`` (rows switched off by ``sc_mask`` zeroed), then the
+    self-conditioning MLP of ``pre_norm(u)``. probs: (R, C, V) probabilities of which rows ``rows`` (N,) are
+    decoded; sc_mask: None or the backend's per-row switch (``ops.mask_rows``). Returns (N*C, H)."""
+    N, H = len(rows), model.config.hidden_size
+    M = N * C
+    u = ops.buffer("sc_u", (M, H))
+    ops.probs_times_embedding(probs, rows, C, model.embed_tokens, u)
+    ops.scale(u, ops.embed_scale)
+    if sc_mask is not None:
+        ops.mask_rows(u, N, C, rows, sc_mask)
+    x = ops.buffer("x", (M, H))
+    ops.rms_norm(u, model.sc_pre_norm, x)
+    signal = ops.buffer("sc_signal", (M, H))
+    ops.gated_mlp(x, model.sc_gate_up, model.sc_down, signal)
+    return signal
+
+
+def blocks(ops: Any, keys: Any, model: Any, h: Any, N: int, S: int, decoder: bool) -> None:
+    """Every block of ``model`` in order on the residual ``h`` (N*S, H), with the encoder's or the decoder's
+    layer scalars; the first block whose output the device finds not finite raises ``ops.non_finite``'s
+    error naming that layer."""
+    stage, kind = ("denoise", "decoder") if decoder else ("encode", "encoder")
+    for l, w in enumerate(model.layers):
+        if ops.layer(keys, l, w, h, N, S, w.decoder_scalar if decoder else w.encoder_scalar):
+            raise ops.non_finite(stage, f"the output of {kind} layer {l}", h.reshape(N, S, -1), l, keys.cache)
+
+
+# ------------------------------------------------------------------------------------------ one block
 def layer(ops: Any, keys: Any, l: int, w: Any, h: Any, N: int, S: int, num_heads: int, scalar: Any) -> int:
     """Block ``l`` (weights ``w``, a ``fast.weights.LayerWeights``) on the residual ``h`` (N*S, H), in place.
 

@@ -213,19 +213,15 @@ class Model:
         """
         ids, mask = block.encode_inputs(self.config, input_ids, cache, attention_mask, KVCache)  # the shared checks
         B, n = ids.shape
-        config, ops, ws = self.config, self.ops, self.workspace
+        config, ops = self.config, self.ops
         L = cache.length
         check_pass_memory(config, B * n, f"encoding input_ids ({B} x {n} tokens)")  # before the workspace grows
         positions = L + np.arange(n, dtype=np.int64)  # (n,)
         rows = np.arange(B, dtype=np.int64)
         cache.begin_append(mask)
-        h = ws.get("h", (B * n, config.hidden_size))
-        ops.embed(ids.reshape(-1), self.embed_tokens, self._embed_scale, None, False, self._eps, h)  # no input norm
+        keys = _CpuKeys(self, cache, positions, rows, mask, False, B, n)
         try:
-            for l, w in enumerate(self.layers):
-                if self._block(l, w, h, B, n, positions, cache, rows, mask, decoder=False):
-                    raise self._non_finite("encode", f"the output of encoder layer {l}", h.reshape(B, n, -1), l,
-                                           cache)
+            h = block.encoder_hidden(self.block_ops, keys, self, ids.reshape(-1), B, n)  # fast/block.py
         except BaseException as exc:
             cache.unusable = f"an encode call failed midway ({type(exc).__name__})"
             raise
@@ -289,34 +285,14 @@ class Model:
         H, M = config.hidden_size, N * C
         check_positions(config, cache.length, C, f"the canvas ({C} tokens)")
         contiguous = logits.shape[0] == N and bool(np.array_equal(rows, np.arange(N)))
-        h = ws.get("h", (M, H))
         signal = None
         if probs is not None:  # SPEC §7.1: u = softmax(S) @ E * s_emb -> SC MLP(pre_norm(u))
-            u = ws.get("sc_u", (M, H))
-            if contiguous:
-                xp.matmul(probs.reshape(M, -1), self.embed_tokens, out=u)
-            else:
-                for i, row in enumerate(rows):
-                    xp.matmul(probs[row], self.embed_tokens, out=u[i * C:(i + 1) * C])
-            xp.multiply(u, self._embed_scale, out=u)
-            if sc_mask is not None:
-                xp.multiply(u.reshape(N, C, H), sc_mask[:, None, None], out=u.reshape(N, C, H))
-            x = ws.get("x", (M, H))
-            ops.rms_norm(u, self.sc_pre_norm, self._eps, x)
-            signal = ws.get("sc_signal", (M, H))
-            self._gated_mlp(x, self.sc_gate_up, self.sc_down, signal)
-        ops.embed(canvas.reshape(-1), self.embed_tokens, self._embed_scale, signal, True, self._eps, h)
-        if ops.count_non_finite_rows(h):
-            raise self._non_finite("denoise", "the decoder input (canvas embedding + self-conditioning)",
-                                   h.reshape(N, C, H), None)
+            signal = block.self_conditioning_signal(self.block_ops, self, probs, rows, C, sc_mask)
         positions = cache.length + np.arange(C, dtype=np.int64)
         canvas_real = ws.get("canvas_real", (N, C), np.uint8)
         canvas_real.fill(1)
-        for l, w in enumerate(self.layers):
-            if self._block(l, w, h, N, C, positions, cache, rows, canvas_real, decoder=True):
-                raise self._non_finite("denoise", f"the output of decoder layer {l}", h.reshape(N, C, H), l, cache)
-        hn = ws.get("x", (M, H))
-        ops.rms_norm(h, self.final_norm, self._eps, hn)
+        keys = _CpuKeys(self, cache, positions, rows, canvas_real, True, N, C)
+        hn = block.decoder_hidden(self.block_ops, keys, self, canvas.reshape(-1), N, C, signal)  # fast/block.py
         bad = 0
         if contiguous:
             flat = logits.reshape(M, -1)
@@ -413,14 +389,45 @@ class CpuOps:
     (``model.xp``) on the model's ``Workspace``. It reads ``model.xp``, ``model.ops`` and the model's
     ``_gated_mlp`` / ``_experts`` at each call, so that a profiler may wrap them (``bench_fast.py``)."""
 
-    __slots__ = ("model", "ws", "eps", "router_factor")
+    __slots__ = ("model", "ws", "eps", "router_factor", "embed_scale")
 
     def __init__(self, model: Model):
         self.model, self.ws = model, model.workspace
-        self.eps, self.router_factor = model._eps, model._router_factor
+        self.eps, self.router_factor, self.embed_scale = model._eps, model._router_factor, model._embed_scale
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         return self.ws.get(name, shape, dtype)
+
+    def embed(self, ids: np.ndarray, table: np.ndarray, signal, normed: bool, out: np.ndarray) -> None:
+        self.model.ops.embed(ids, table, self.embed_scale, signal, normed, self.eps, out)
+
+    def probs_times_embedding(self, probs: np.ndarray, rows: np.ndarray, C: int, table: np.ndarray,
+                              out: np.ndarray) -> None:
+        """``out = probs[rows] @ table`` (N*C, H): one product when ``rows`` are all of ``probs``'s rows in
+        order, else one per row."""
+        xp, N = self.model.xp, rows.shape[0]
+        if probs.shape[0] == N and bool(np.array_equal(rows, np.arange(N))):
+            xp.matmul(probs.reshape(N * C, -1), table, out=out)
+        else:
+            for i, row in enumerate(rows):
+                xp.matmul(probs[row], table, out=out[i * C:(i + 1) * C])
+
+    def scale(self, x: np.ndarray, factor) -> None:
+        self.model.xp.multiply(x, factor, out=x)
+
+    def mask_rows(self, u: np.ndarray, N: int, C: int, rows: np.ndarray, sc_mask: np.ndarray) -> None:
+        """sc_mask: (N,) float32, one factor per decoded row (0 or 1)."""
+        H = u.shape[1]
+        self.model.xp.multiply(u.reshape(N, C, H), sc_mask[:, None, None], out=u.reshape(N, C, H))
+
+    def count_non_finite_rows(self, h: np.ndarray) -> int:
+        return self.model.ops.count_non_finite_rows(h)
+
+    def non_finite(self, stage: str, where: str, array: np.ndarray, layer, cache) -> Exception:
+        return self.model._non_finite(stage, where, array, layer, cache)
+
+    def layer(self, keys: "_CpuKeys", l: int, w: LayerWeights, h: np.ndarray, N: int, S: int, scalar) -> int:
+        return self.model._block(l, w, h, N, S, keys.positions, keys.cache, keys.rows, keys.new_real, keys.decoder)
 
     def matmul(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         self.model.xp.matmul(a, b, out=out)

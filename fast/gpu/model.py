@@ -141,15 +141,12 @@ class Model:
             L = cache.length
             positions = L + np.arange(n, dtype=np.int64)
             cache.begin_append(mask)
-            h = dev.empty((B * n, config.hidden_size), np.float32)
-            dev.launch(gl.embed(dev.to_device(ids.reshape(-1)), self.embed_tokens, config.embed_scale, None, False, h,
-                                config.rms_norm_eps))
+            ids_dev = dev.to_device(ids.reshape(-1))
             pos_dev, real_dev = dev.to_device(positions), dev.to_device(mask)
             tables = self._rope_tables(positions)
             keys = _GpuKeys(self, cache, B, n, rows=None, new_pos=pos_dev, new_real=real_dev, tables=tables,
                             decoder=False)
-            for l, w in enumerate(self.layers):
-                block.layer(self.block_ops, keys, l, w, h, B, n, config.num_attention_heads, w.encoder_scalar)
+            h = block.encoder_hidden(self.block_ops, keys, self, ids_dev, B, n)  # fast/block.py
             for l, (k, v) in enumerate(keys.pending):  # commit only once every layer succeeded
                 cache.store(l, k, v)
             cache.end_append(n)
@@ -204,33 +201,14 @@ class Model:
         """Decoder pass for batch rows ``rows`` (host int array): raw logits (before the soft-cap) into
         ``buffer[rows]``. canvas_dev: (len(rows), C) int64 device ids of those rows. When ``has_sc``,
         ``buffer[rows]`` holds the self-conditioning probabilities on entry (read before any write)."""
-        config, dev = self.config, self.device
-        n_rows = rows.shape[0]
-        B, C, V = buffer.shape
-        H = config.hidden_size
+        dev, n_rows, C = self.device, rows.shape[0], buffer.shape[1]
         pos_dev, tables, cache_rows, ones = self._decoder_inputs(cache.length, rows, C)
         signal = None
-        if has_sc:
-            u = dev.empty((n_rows, C, H), np.float32)
-            for i, b in enumerate(rows):  # (C, V) @ (V, H) per row: rows of the buffer are not contiguous as a set
-                dev.xp.matmul(buffer[int(b)], self.embed_tokens, out=u[i])
-            dev.xp.multiply(u, np.float32(config.embed_scale), out=u)
-            if sc_mask is not None:
-                u[dev.to_device(np.flatnonzero(~sc_mask[rows]))] = 0.0
-            u = u.reshape(n_rows * C, H)
-            x = dev.empty((n_rows * C, H), np.float32)
-            dev.launch(gl.rms_norm(u, self.sc_pre_norm, x, config.rms_norm_eps))
-            signal = dev.empty((n_rows * C, self.sc_down.shape[0]), np.float32)
-            block.gated_mlp(self.block_ops, x, self.sc_gate_up, self.sc_down, signal)
-        h = dev.empty((n_rows * C, H), np.float32)
-        dev.launch(gl.embed(canvas_dev.reshape(-1), self.embed_tokens, config.embed_scale, signal, True, h,
-                            config.rms_norm_eps))
+        if has_sc:  # SPEC §7.1, fast/block.py
+            signal = block.self_conditioning_signal(self.block_ops, self, buffer, rows, C, sc_mask)
         keys = _GpuKeys(self, cache, n_rows, C, rows=cache_rows, new_pos=pos_dev, new_real=ones, tables=tables,
                         decoder=True)
-        for l, w in enumerate(self.layers):
-            block.layer(self.block_ops, keys, l, w, h, n_rows, C, config.num_attention_heads, w.decoder_scalar)
-        hf = dev.empty((n_rows * C, H), np.float32)
-        dev.launch(gl.rms_norm(h, self.final_norm, hf, config.rms_norm_eps))
+        hf = block.decoder_hidden(self.block_ops, keys, self, canvas_dev.reshape(-1), n_rows, C, signal)
         for i, b in enumerate(rows):  # tied lm_head straight into the buffer rows
             dev.xp.matmul(hf[i * C:(i + 1) * C], self.embed_tokens.T, out=buffer[int(b)])
 
@@ -267,6 +245,7 @@ class GpuOps:
     def __init__(self, model: "Model"):
         self.model, self.config = model, model.config
         self.eps = float(model.config.rms_norm_eps)
+        self.embed_scale = np.float32(model.config.embed_scale)
         self.router_factor = float(np.float32(model.config.hidden_size ** -0.5))
 
     @property
@@ -275,6 +254,34 @@ class GpuOps:
 
     def buffer(self, name: str, shape: tuple, dtype: Any = np.float32) -> Any:
         return self.model.device.empty(shape, dtype)
+
+    def embed(self, ids, table, signal, normed: bool, out) -> None:
+        self.model.device.launch(gl.embed(ids, table, self.config.embed_scale, signal, normed, out, self.eps))
+
+    def probs_times_embedding(self, probs, rows: np.ndarray, C: int, table, out) -> None:
+        """``out = probs[rows] @ table`` (N*C, H), one product per row (the rows of the (B, C, V) buffer are
+        not contiguous as a set)."""
+        xp = self.model.device.xp
+        for i, b in enumerate(rows):
+            xp.matmul(probs[int(b)], table, out=out[i * C:(i + 1) * C])
+
+    def scale(self, x, factor) -> None:
+        self.model.device.xp.multiply(x, factor, out=x)
+
+    def mask_rows(self, u, N: int, C: int, rows: np.ndarray, sc_mask: np.ndarray) -> None:
+        """sc_mask: (B,) bool of every batch row; the decoded rows ``rows`` switched off get a zero signal
+        (a copy to the device: not in a captured pass, which never has a mask)."""
+        dev = self.model.device
+        u.reshape(N, C, -1)[dev.to_device(np.flatnonzero(~sc_mask[rows]))] = 0.0
+
+    def count_non_finite_rows(self, h) -> int:
+        return 0  # no per-layer check on the device: a flagged step is diagnosed on the host (diagnosis.py)
+
+    def non_finite(self, *args) -> Exception:
+        raise AssertionError("the GPU pass counts no non-finite rows")  # unreachable: the counts are 0
+
+    def layer(self, keys, l: int, w, h, N: int, S: int, scalar) -> int:
+        return block.layer(self, keys, l, w, h, N, S, self.config.num_attention_heads, scalar)
 
     def matmul(self, a, b, out) -> None:
         self.model.device.xp.matmul(a, b, out=out)
