@@ -3,7 +3,7 @@
 #
 # Run it on a fresh GPU machine, from the repository root, with nothing fetched from the network:
 #     bash benchmarks/gpu_check.sh [RESULTS_DIR]
-# RESULTS_DIR defaults to $OUT (set by the device tool), else ./gpu_results. It receives:
+# RESULTS_DIR defaults to $OUT (the folder a remote run copies back), else ./gpu_results. It receives:
 #     environment.txt  nvidia-smi, python, package versions
 #     compile.txt      ptxas registers/spills of every kernel for this GPU's architecture (nvcc if present)
 #     gpu_tests.log    pytest -m gpu output: tests/test_gpu_equivalence.py on the real device (the same tests CI

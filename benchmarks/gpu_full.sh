@@ -3,7 +3,7 @@
 #
 # Run it on a fresh GPU machine, from the repository root, with nothing fetched from the network:
 #     bash benchmarks/gpu_full.sh [RESULTS_DIR]
-# RESULTS_DIR defaults to $OUT (set by the device tool), else ./gpu_full_results. It receives:
+# RESULTS_DIR defaults to $OUT (the folder a remote run copies back), else ./gpu_full_results. It receives:
 #     environment.txt      nvidia-smi, python, package versions, commit
 #     build.log            the editable install's output
 #     bench_gpu_full.json  every measurement, rewritten after each one (a run cut short keeps what finished)

@@ -8,7 +8,7 @@
 #     python examples/prepare_data.py               # examples/data/ (gitignored): carry it along
 #     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #         --platform manylinux2014_x86_64 -d .whl transformers==5.24.0     # if the GPU image has an older one
-# and send examples/data (and .whl) with the working tree (the device tool's `carry`).
+# and copy examples/data (and .whl), both gitignored, to the GPU machine with the working tree.
 #
 # OUT_DIR receives at most seven files (examples/pipeline.py): model.tar or model.tar.part00.. (the new
 # checkpoint; `cat model.tar* | tar -x` gives tiny-kjv-new/), train_log.txt, evaluation.md,
