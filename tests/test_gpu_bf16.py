@@ -299,3 +299,85 @@ def test_compiles_to_tensor_core_mma_without_spills_and_fits_its_launches(arch):
     launch = gl.gemm_bf16(np.zeros((1000, 640), np.uint16), np.zeros((2048, 640), np.uint16),
                           np.zeros((1000, 2048), np.float32))
     assert gl.check_resources(launch, report.shared_memory, 1024, gl.SHARED_OPT_IN_LIMITS[arch], arch) == 0
+
+
+# ------------------------------------------------------------------------------------------------ dg_round_bf16
+ROUND_SOURCE = os.path.join(cb.CUDA_DIR, "round_bf16.cu")
+
+
+def round_edge_values() -> np.ndarray:
+    """float32 values at every kind of bfloat16 rounding case: exact ties to an even and to an odd neighbour
+    (both signs), one ulp either side of a tie, the largest finite values (the tie above the largest bfloat16
+    overflows to infinity), subnormals and their ties, signed zeros, infinities and NaNs with payloads."""
+    bits = []
+    for hi in (0x3F80, 0x3F81, 0x4049, 0x0001, 0x0002, 0x7F7E, 0x7F7F, 0x0080, 0x007F):
+        for lo in (0x0000, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x0001, 0x4000):
+            for sign in (0, 0x80000000):
+                bits.append(sign | (hi << 16) | lo)
+    bits += [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF812345,
+             0x7FBFFFFF, 0x7FFFFFFF]
+    return np.array(bits, np.uint32).view(np.float32)
+
+
+def run_round(x: np.ndarray, lib: KernelLibrary | None = None) -> np.ndarray:
+    dev = SimDevice(library=lib or KernelLibrary.from_source(cb.assemble(ROUND_SOURCE)))
+    buf = dev.to_device(np.ascontiguousarray(x, np.float32))
+    dev.launch(gl.round_bf16(buf))
+    return dev.to_host(buf)
+
+
+def same_as_reference(x: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """Per element: the kernel's float32 result is the reference's ``round_to(x, BFLOAT16)`` bit for bit,
+    except that any two NaNs of the same sign count as equal (the payload is not part of the contract)."""
+    with np.errstate(invalid="ignore"):  # NumPy warns when ml_dtypes casts a NaN; the value is still a NaN
+        want = round_to(x, BFLOAT16)
+    both_nan = np.isnan(want) & np.isnan(got) & (np.signbit(want) == np.signbit(got))
+    return (want.view(np.uint32) == got.view(np.uint32)) | both_nan
+
+
+def test_round_bf16_matches_the_reference_rounding_bit_for_bit():
+    rng = np.random.default_rng(7)
+    edges = round_edge_values()
+    randoms = (rng.standard_normal(3000) * np.exp(rng.uniform(-80, 80, 3000))).astype(np.float32)
+    noise_bits = rng.integers(0, 2**32, 3000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([edges, randoms, noise_bits])
+    got = run_round(x)
+    ok = same_as_reference(x, got)
+    assert ok.all(), f"{np.count_nonzero(~ok)} values differ, first at {x[~ok][:4]!r} -> {got[~ok][:4]!r}"
+    # the results are bfloat16 values (low 16 bits zero) where finite, NaN stays NaN, and ties went to even
+    finite = np.isfinite(got)
+    assert not np.any(got[finite].view(np.uint32) & 0xFFFF)
+    assert np.array_equal(np.isnan(got), np.isnan(x))
+    tie_to_even = np.array([0x3F808000], np.uint32).view(np.float32)  # 1 + 2^-8: between 1 and 1 + 2^-7
+    assert run_round(tie_to_even)[0] == np.float32(1.0)
+    assert np.isinf(run_round(np.array([3.4e38], np.float32))[0])      # past the largest bfloat16's tie
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (257,), (3, 5, 7), (4096 + 3,)])
+def test_round_bf16_covers_every_element_of_any_shape(shape):
+    rng = np.random.default_rng(sum(shape))
+    x = rng.standard_normal(shape).astype(np.float32)
+    got = run_round(x)
+    assert got.shape == x.shape and same_as_reference(x, got).all()
+
+
+@pytest.mark.parametrize("name, old, new", [
+    ("truncation instead of rounding", "(u + 0x7fffu + ((u >> 16) & 1u)) >> 16", "u >> 16"),
+    ("ties away from zero", "(u + 0x7fffu + ((u >> 16) & 1u)) >> 16", "(u + 0x8000u) >> 16"),
+    ("NaN rounded like a number", "if ((u & 0x7fffffffu) > 0x7f800000u)", "if (false)"),
+])
+def test_round_bf16_check_catches_a_broken_rounding(name, old, new):
+    text = cb.assemble(ROUND_SOURCE)
+    assert old in text, f"{old!r} is no longer in bf16.cuh: update this test with the helper"
+    x = round_edge_values()
+    got = run_round(x, KernelLibrary.from_source(text.replace(old, new, 1)))
+    assert not same_as_reference(x, got).all(), name
+
+
+def test_round_bf16_launch_builder_checks_its_operand():
+    launch = gl.round_bf16(np.zeros((3, 4), np.float32))
+    assert launch.kernel == "dg_round_bf16" and launch.block == (256, 1, 1)
+    with pytest.raises(gl.LaunchError, match="dg_round_bf16"):
+        gl.round_bf16(np.zeros(4, np.float64))
+    with pytest.raises(gl.LaunchError, match="dg_round_bf16"):
+        gl.round_bf16(np.zeros((4, 4), np.float32)[:, ::2])

@@ -429,6 +429,18 @@ def test_bf16_gemm_within_its_accumulation_bound(device):
         check(a, b, *run(a, b, dev=device))
 
 
+def test_round_bf16_is_the_reference_rounding(device):
+    """``dg_round_bf16`` on this device: every element of a float32 array rounded to bfloat16 in place (ties to
+    even, overflow to infinity, NaN kept), bit for bit the reference's ``round_to(x, BFLOAT16)``."""
+    from tests.test_gpu_bf16 import round_edge_values, same_as_reference
+
+    rng = np.random.default_rng(11)
+    x = np.concatenate([round_edge_values(), (rng.standard_normal(5000) * 1e3).astype(np.float32)])
+    buf = device.to_device(x)
+    device.launch(gl.round_bf16(buf))
+    assert same_as_reference(x, device.to_host(buf)).all()
+
+
 # ------------------------------------------------------------------------------------------------ coverage
 @pytest.mark.slow
 @pytest.mark.last_in_module

@@ -68,6 +68,7 @@ def zero_size_cases(dev):
              lambda r=rows, d=dim: gl.gather_rows(z(4, d), z(r, dtype=i32), z(r, d))),
         ]
     cases.append(("dg_softcap", "n=0", lambda: gl.softcap(z(0), 30.0)))
+    cases.append(("dg_round_bf16", "n=0", lambda: gl.round_bf16(z(0))))
 
     def qkv(batch=2, S=3, n_heads=4, n_kv=2, d=8):
         width = (n_heads + 2 * n_kv) * d

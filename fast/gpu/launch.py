@@ -677,3 +677,13 @@ def gemm_bf16(a, b, c=None, c_bf16=None) -> Launch:
     if grid[1] > 65535:
         raise LaunchError(f"{k}: {M} rows need {grid[1]} row tiles, over the grid's y limit 65535")
     return _launch(k, grid, const("DG_BF16_THREADS"), (a, b, c, c_bf16, M, N, K))
+
+
+# ------------------------------------------------------------------------------------------------ round_bf16.cu
+def round_bf16(x) -> Launch:
+    """``x = float32(bfloat16(x))`` in place over every element of x (float32, any shape, contiguous): the
+    reference's ``round_to(x, BFLOAT16)`` (nearest, ties to even; NaN and infinities kept), see ``dg_round_bf16``."""
+    n = int(math.prod(x.shape))
+    threads = 256
+    blocks = max(1, min(-(-n // threads), 65535 * 16))
+    return _launch("dg_round_bf16", blocks, threads, (x, n))
