@@ -39,32 +39,9 @@ cap() {  # cap N: N seconds, or what is left of the budget when that is less (at
     [ "$left" -lt "$1" ] && { [ "$left" -lt 1 ] && echo 1 || echo "$left"; } || echo "$1"
 }
 
-stage() {  # stage NAME TIMEOUT COMMAND...: run, time-box (own limit and the budget left), log the exit status
-    local name=$1 limit=$2; shift 2
-    local t0; t0=$(date +%s)
-    local left=$(( BUDGET - (t0 - START) ))
-    if [ "$left" -lt 5 ]; then
-        echo "$name: skipped, the ${BUDGET} s budget is spent" | tee -a "$SUMMARY"
-        return 124
-    fi
-    [ "$limit" -gt "$left" ] && limit=$left
-    timeout -k 5 "$limit" "$@"
-    local rc=$?
-    echo "$name: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$SUMMARY"
-    return $rc
-}
+. benchmarks/gpu_stages.sh  # stage (time-boxed, logged) and set_up (wheels, editable install)
 
-# 1. wheels carried in .whl/ (optional), into a private site folder
-if ls .whl/*.whl >/dev/null 2>&1; then
-    stage wheels 20 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/dg_site .whl/*.whl && export PYTHONPATH="/tmp/dg_site:${PYTHONPATH:-}"
-fi
-
-# 2. the project itself, editable, without network or build isolation (builds the CPU extension too);
-#    DG_SKIP_BUILD=1 skips this when the project is already installed; cuda-sim is not built (not needed here)
-export DIFFUSIONGEMMA_NO_CUDA_SIM="${DIFFUSIONGEMMA_NO_CUDA_SIM:-1}"
-[ "${DG_SKIP_BUILD:-0}" = 1 ] || stage build 50 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
-    > "$RESULTS/build.log" 2>&1 || { tail -30 "$RESULTS/build.log"; echo "build failed: see build.log"; }
+set_up
 
 environment() {
     nvidia-smi 2>&1

@@ -26,28 +26,9 @@ export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 BUDGET="${DG_FULL_BUDGET:-450}"
 START=$(date +%s)
 
-stage() {  # stage NAME LIMIT COMMAND...: run under `timeout` (its limit, at most what is left), log the status
-    local name=$1 limit=$2; shift 2
-    local t0; t0=$(date +%s)
-    local left=$(( BUDGET - (t0 - START) ))
-    if [ "$left" -lt 5 ]; then
-        echo "$name: skipped, the ${BUDGET} s budget is spent" | tee -a "$SUMMARY"
-        return 124
-    fi
-    [ "$limit" -gt "$left" ] && limit=$left
-    timeout -k 5 "$limit" "$@"
-    local rc=$?
-    echo "$name: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$SUMMARY"
-    return $rc
-}
+. benchmarks/gpu_stages.sh  # stage (time-boxed, logged) and set_up (wheels, editable install)
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-    stage wheels 20 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/dg_site .whl/*.whl && export PYTHONPATH="/tmp/dg_site:${PYTHONPATH:-}"
-fi
-export DIFFUSIONGEMMA_NO_CUDA_SIM="${DIFFUSIONGEMMA_NO_CUDA_SIM:-1}"
-[ "${DG_SKIP_BUILD:-0}" = 1 ] || stage build 50 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
-    > "$RESULTS/build.log" 2>&1 || { tail -30 "$RESULTS/build.log"; echo "build failed: see build.log"; }
+set_up
 
 environment() {
     nvidia-smi 2>&1
