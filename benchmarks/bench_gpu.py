@@ -43,14 +43,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import MEDIUM, MEDIUM_PROMPT, machine_facts  # noqa: E402
+from common import MEDIUM, MEDIUM_PROMPT, best_of, machine_facts  # noqa: E402
 from diffusiongemma.tiny import FULL, SLIDING, TinySpec, hf_config, randomise_  # noqa: E402
 
 # two layers (one sliding, one full) with the released 26B model's per-layer shapes (SPEC §1, §5.2)
@@ -174,21 +173,21 @@ def step_breakdown(label: str, model, prompt: np.ndarray, device, settings=None)
     canvas = device.to_device(np.random.default_rng(0).integers(0, V, size=(1, C)))
     rows = np.arange(1)
     model._decoder_logits(canvas, cache, rows, buffer, False)
-    decoder = timed(lambda: model._decoder_logits(canvas, cache, rows, buffer, True), sync)
+    decoder = best_of(lambda: model._decoder_logits(canvas, cache, rows, buffer, True), sync=sync)
     flat = device.to_device(np.arange(C, dtype=np.int32))
     out = _StepOutputs(device, C)
     uniforms = device.to_device(np.full(C, 0.5))
-    sampling = timed(lambda: device.launch(gl.sample_rows(buffer.reshape(C, V), flat, config.final_logit_softcapping,
-                                                          1.0, uniforms, out.argmax, out.entropy, out.sampled,
-                                                          out.flags)), sync)
+    sampling = best_of(lambda: device.launch(gl.sample_rows(buffer.reshape(C, V), flat, config.final_logit_softcapping,
+                                                            1.0, uniforms, out.argmax, out.entropy, out.sampled,
+                                                            out.flags)), sync=sync)
     entropies, sampled = out.entropy.reshape(1, C), out.sampled.reshape(1, C)
     noise = device.to_device(np.zeros((1, C), dtype=np.int64))
     accepted, nxt = device.empty((1, C), np.uint8), device.empty((1, C), np.int64)
-    accept = timed(lambda: device.launch(gl.accept_renoise(entropies, sampled, noise, 0.1, accepted, nxt)), sync)
+    accept = best_of(lambda: device.launch(gl.accept_renoise(entropies, sampled, noise, 0.1, accepted, nxt)), sync=sync)
     flag = device.zeros((8,), np.int32)
-    copy_back = timed(lambda: device.to_host(flag), sync)
+    copy_back = best_of(lambda: device.to_host(flag), sync=sync)
     tiny = device.zeros((1,), np.float32)
-    empty = timed(lambda: [device.launch(gl.softcap(tiny, 30.0)) for _ in range(100)], sync) / 100
+    empty = best_of(lambda: [device.launch(gl.softcap(tiny, 30.0)) for _ in range(100)], sync=sync) / 100
 
     counting = CountingDevice(device)
     model.device = counting
@@ -281,18 +280,6 @@ def float64_bound(label, hf, hc_fn, denoise_fn, ours_logits) -> list[str]:
             f"{np.abs(tf32 - f64).max():.2e} | {np.abs(ours - fp32).max():.2e} | {scale:.1f} |"]
 
 
-def timed(fn, sync, repeats: int = 5, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
 
 def hf_kwargs_cache(cache):
     """transformers >= 5.24 names the cache argument ``cache``; 5.11-5.23 call it ``past_key_values``."""
@@ -365,8 +352,8 @@ def bench_config(label: str, spec: TinySpec, prompt_len: int, steps: int, device
 
     hf_bf16 = None
     results = {"ours": {}, "hf fp32": {}, "hf bf16": {}}
-    results["ours"]["encode"] = timed(ours_encode, sync)
-    results["hf fp32"]["encode"] = timed(hf_encode(hf), sync)
+    results["ours"]["encode"] = best_of(ours_encode, sync=sync)
+    results["hf fp32"]["encode"] = best_of(hf_encode(hf), sync=sync)
 
     # ---- denoise with self-conditioning
     cache = ours.new_cache(B)
@@ -388,8 +375,8 @@ def bench_config(label: str, spec: TinySpec, prompt_len: int, steps: int, device
         return run
 
     sc_torch = torch.as_tensor(sc_dev, device="cuda")
-    results["ours"]["denoise"] = timed(lambda: ours.denoise(canvas, cache, sc_dev, device_output=True), sync)
-    results["hf fp32"]["denoise"] = timed(hf_denoise(hf, hc, sc_torch), sync)
+    results["ours"]["denoise"] = best_of(lambda: ours.denoise(canvas, cache, sc_dev, device_output=True), sync=sync)
+    results["hf fp32"]["denoise"] = best_of(hf_denoise(hf, hc, sc_torch), sync=sync)
     ours_logits = ours.denoise(canvas, cache, sc_dev)
     diff = float(np.abs(ours_logits - hf_denoise(hf, hc, sc_torch)().cpu().numpy()).max())
 
@@ -417,7 +404,7 @@ def bench_config(label: str, spec: TinySpec, prompt_len: int, steps: int, device
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static()
-        return timed(graph.replay, sync)
+        return best_of(graph.replay, sync=sync)
 
     extras["graphed"] = section("transformers decoder pass as a CUDA graph", graphed)
 
@@ -427,7 +414,7 @@ def bench_config(label: str, spec: TinySpec, prompt_len: int, steps: int, device
         fn()
         sync()
         first = time.perf_counter() - start
-        return timed(fn, sync), first
+        return best_of(fn, sync=sync), first
 
     extras["compiled"] = section("transformers decoder pass under torch.compile", compiled, need=30.0)
     if extras.get("breakdown_wanted"):
@@ -436,8 +423,7 @@ def bench_config(label: str, spec: TinySpec, prompt_len: int, steps: int, device
     # ---- one canvas of generation, every step executed
     gen_kwargs = dict(max_new_tokens=C, max_denoising_steps=steps, stability_threshold=None,
                       confidence_threshold=None, eos_token_id=[], pad_token_id=None)
-    results["ours"]["generate"] = timed(lambda: gpu.generate(ours, prompt, random=0, **gen_kwargs),
-                                        sync, repeats=3)
+    results["ours"]["generate"] = best_of(lambda: gpu.generate(ours, prompt, random=0, **gen_kwargs), repeats=3, sync=sync)
 
     def hf_generate(model):
         def run():
@@ -448,18 +434,18 @@ def bench_config(label: str, spec: TinySpec, prompt_len: int, steps: int, device
         return run
 
     try:
-        results["hf fp32"]["generate"] = timed(hf_generate(hf), sync, repeats=3)
+        results["hf fp32"]["generate"] = best_of(hf_generate(hf), repeats=3, sync=sync)
     except Exception as error:  # the generate signature differs between transformers versions
         results["hf fp32"]["generate"] = float("nan")
         print(f"  transformers generate failed: {error}")
 
     # ---- transformers bf16 (same weights, cast)
     hf_bf16 = hf.to(torch.bfloat16)
-    results["hf bf16"]["encode"] = timed(hf_encode(hf_bf16), sync)
+    results["hf bf16"]["encode"] = best_of(hf_encode(hf_bf16), sync=sync)
     hc16 = hf_encode(hf_bf16)()
-    results["hf bf16"]["denoise"] = timed(hf_denoise(hf_bf16, hc16, sc_torch.to(torch.bfloat16)), sync)
+    results["hf bf16"]["denoise"] = best_of(hf_denoise(hf_bf16, hc16, sc_torch.to(torch.bfloat16)), sync=sync)
     try:
-        results["hf bf16"]["generate"] = timed(hf_generate(hf_bf16), sync, repeats=3)
+        results["hf bf16"]["generate"] = best_of(hf_generate(hf_bf16), repeats=3, sync=sync)
     except Exception as error:
         results["hf bf16"]["generate"] = float("nan")
         print(f"  transformers bf16 generate failed: {error}")

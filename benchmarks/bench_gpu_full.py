@@ -47,7 +47,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -55,6 +54,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import best_of  # noqa: E402
 from diffusiongemma.tiny import FULL, SLIDING, TinySpec, hf_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,17 +90,11 @@ def model_spec(scale: int = 1, layers: int = 30) -> TinySpec:
 
 
 def our_config(spec: TinySpec):
-    """The project's ``ModelConfig`` of ``spec``. transformers (5.15+) writes ``per_layer_config`` with
-    zero-padded keys ("05" when there are 10 or more layers: configuration_utils' ``zfill``), which
-    ``reference/support/config_io.py`` reads as ``str(i)``, so layer 5 would silently keep the sliding
-    layers' head size and KV heads; the keys are normalised here to plain integers first."""
+    """The project's ``ModelConfig`` of ``spec``, read from transformers' own config (its zero-padded
+    ``per_layer_config`` keys included)."""
     from diffusiongemma.reference.config import ModelConfig
 
-    data = hf_config(spec).to_dict()
-    per_layer = data["text_config"].get("per_layer_config")
-    if per_layer:
-        data["text_config"]["per_layer_config"] = {str(int(k)): v for k, v in per_layer.items()}
-    return ModelConfig.from_transformers(data)
+    return ModelConfig.from_transformers(hf_config(spec).to_dict())
 
 
 def parameter_counts(config) -> dict:
@@ -295,18 +289,6 @@ class TorchDevice:
             self.torch.cuda.empty_cache()
 
 
-def timed(fn, sync, repeats: int = 3, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
 
 def device_rates(dev: TorchDevice, size_bytes: int, n: int) -> dict:
     """Copy rate of ``size_bytes`` device-to-device (read + written bytes per second) and the bf16 / float32
@@ -314,13 +296,13 @@ def device_rates(dev: TorchDevice, size_bytes: int, n: int) -> dict:
     torch = dev.torch
     src = torch.empty(size_bytes, dtype=torch.uint8, device=dev.name)
     dst = torch.empty_like(src)
-    t_copy = timed(lambda: dst.copy_(src), dev.sync, repeats=5)
+    t_copy = best_of(lambda: dst.copy_(src), repeats=5, sync=dev.sync)
     del src, dst
     out = {"copy_bytes": size_bytes, "copy_s": t_copy, "copy_bytes_per_s": 2 * size_bytes / t_copy}
     for dtype, key in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         a = torch.randn(n, n, device=dev.name, dtype=dtype)
         b = torch.randn(n, n, device=dev.name, dtype=dtype)
-        t = timed(lambda: a @ b, dev.sync, repeats=5)
+        t = best_of(lambda: a @ b, repeats=5, sync=dev.sync)
         out[f"{key}_flops_per_s"] = 2 * n ** 3 / t
         del a, b
     dev.free()
@@ -457,7 +439,7 @@ def torch_section(results: Results, dev: TorchDevice, model_shape: TinySpec, par
                         return 30.0 * torch.tanh(logits / 30.0)
 
                 touched.clear()
-                t = timed(decoder_pass, dev.sync)
+                t = best_of(decoder_pass, repeats=3, sync=dev.sync)
                 experts = touched[-1] if touched else None
                 commit_ids = prompt_ids(rng, B, C, V)
                 encode(commit_ids, cache)  # warm-up of the incremental shape
@@ -573,7 +555,7 @@ def ours_section(results: Results, device_name: str, model_shape: TinySpec, para
                 model.encode(prompt_ids(rng, B, prompts[0], V), cache)
                 canvas = rng.integers(0, V, size=(B, C))
                 sc = device.zeros((B, C, V), np.float32)  # its values do not change the work; no host draw
-                t = timed(lambda: model.denoise(canvas, cache, sc, device_output=True), sync)
+                t = best_of(lambda: model.denoise(canvas, cache, sc, device_output=True), repeats=3, sync=sync)
                 commit_ids = prompt_ids(rng, B, C, V)
                 model._encode(commit_ids, cache, None, return_hidden=False)
                 sync()

@@ -41,13 +41,18 @@ def machine_facts() -> str:
             f"commit {commit}{' (dirty)' if dirty else ''}; load avg {os.getloadavg()[0]:.2f}")
 
 
-def best_of(fn, repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time (seconds) of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+def best_of(fn, repeats: int = 5, warmup: int = 1, sync=None) -> float:
+    """Median wall time (seconds) of ``fn()`` over ``repeats`` runs after ``warmup`` runs. ``sync``: called
+    after the warm-up and after each timed run (a GPU's synchronisation), so that each time covers the work
+    ``fn`` queued, not only its launch."""
+    wait = sync or (lambda: None)
     for _ in range(warmup):
         fn()
+    wait()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        wait()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
