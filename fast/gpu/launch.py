@@ -315,8 +315,10 @@ def softcap(x, cap: float) -> Launch:
 
 
 # ------------------------------------------------------------------------------------------------ mlp.cu, rope.cu
-def gated_gelu(gu, out) -> Launch:
-    """``out = gelu(gu[:, :I]) * gu[:, I:]``; gu (rows, 2I), out (rows, I)."""
+def gated_gelu(gu, out, bf16: bool = False) -> Launch:
+    """``out = gelu(gu[:, :I]) * gu[:, I:]``; gu (rows, 2I), out (rows, I). bf16: a bfloat16 run's (gu holds
+    bfloat16 values): the float32 GELU rounded to bfloat16, and its product with the up half rounded too, as
+    ``reference.primitives.gated_mlp`` with dtype bfloat16 (out then holds bfloat16 values)."""
     k = "dg_gated_gelu"
     _ndim(k, "gu", gu, 2)
     rows, width = gu.shape
@@ -325,7 +327,7 @@ def gated_gelu(gu, out) -> Launch:
     _shape(k, "out", out, (rows, width // 2))
     threads = 256
     blocks = max(1, min(-(-(rows * width // 2) // threads), 65535 * 16))
-    return _launch(k, blocks, threads, (gu, out, rows, width // 2))
+    return _launch(k, blocks, threads, (gu, out, rows, width // 2, int(bool(bf16))))
 
 
 def qkv_heads(proj, batch: int, S: int, n_heads: int, n_kv: int, d: int, has_v: bool, q_norm, k_norm, cos, sin,
