@@ -23,8 +23,8 @@ import pytest
 
 from diffusiongemma.fast.gpu import build as cb
 from diffusiongemma.fast.gpu import launch as gl
-from diffusiongemma.fast.gpu.sim import KernelLibrary, SimDevice
-from diffusiongemma.reference.primitives import BFLOAT16, gelu_tanh, round_to
+from diffusiongemma.fast.gpu.sim import KernelCheckError, KernelLibrary, SimDevice
+from diffusiongemma.reference.primitives import BFLOAT16, gelu_tanh, linear, round_to
 
 MLP_SOURCE = os.path.join(cb.CUDA_DIR, "mlp.cu")
 
@@ -119,3 +119,219 @@ def test_gated_gelu_launch_passes_the_flag():
     z = np.zeros
     assert gl.gated_gelu(z((3, 8), np.float32), z((3, 4), np.float32)).args[-1] == 0
     assert gl.gated_gelu(z((3, 8), np.float32), z((3, 4), np.float32), bf16=True).args[-1] == 1
+
+
+# ------------------------------------------------------------------------------------------------ grouped GEMM
+MOE_SOURCE = os.path.join(cb.CUDA_DIR, "moe_bf16.cu")
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, np.float32).astype(BFLOAT16).view(np.uint16))
+
+
+def accumulation_bound(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|float32 sum - exact| <= (2K + 16) 2^-23 sum_k |a_mk| |b_nk| for a (M, K) @ b (N, K).T of bfloat16 values
+    (float64), the bound of tests/test_gpu_bf16.py: the products are exact, K float32 additions in any order."""
+    return (2 * a.shape[1] + 16) * 2.0 ** -23 * (np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)).T)
+
+
+def check_linear(a: np.ndarray, b: np.ndarray, acc: np.ndarray, y: np.ndarray) -> None:
+    """Raise AssertionError unless ``acc`` is a float32 sum of a @ b.T within the accumulation bound, ``y`` is
+    its bfloat16 rounding bit for bit, and y lies between the reference's roundings of its own float32 sum moved
+    down and up by twice the bound (two correct sums may round to neighbouring bfloat16 values)."""
+    exact = a.astype(np.float64) @ b.astype(np.float64).T
+    e = accumulation_bound(a, b)
+    err = np.abs(acc.astype(np.float64) - exact)
+    assert np.all(err <= e), f"float32 accumulator off by {err.max():.3g} (bound {e.flat[np.argmax(err - e)]:.3g})"
+    assert np.array_equal(y.view(np.uint32), round_to(acc, BFLOAT16).view(np.uint32)), \
+        "bfloat16 output is not its accumulator rounded"
+    ref32 = a @ b.T
+    lo = round_to((ref32 - 2 * e).astype(np.float32), BFLOAT16)
+    hi = round_to((ref32 + 2 * e).astype(np.float32), BFLOAT16)
+    outside = ~((lo <= y) & (y <= hi))
+    assert not outside.any(), f"{np.count_nonzero(outside)} bfloat16 outputs are not a rounding of the reference's sum"
+
+
+def moe_library(text: str | None = None) -> KernelLibrary:
+    return KernelLibrary.from_source(text if text is not None else cb.assemble(MOE_SOURCE))
+
+
+def run_grouped(x: np.ndarray, w: np.ndarray, tile_group: np.ndarray, lib: KernelLibrary | None = None):
+    """(y, accumulator) of dg_grouped_gemm_bf16 on cuda-sim (every launch checked); both start as 7.0 so that
+    rows the kernel must leave alone (tiles of no group) and rows it forgets show."""
+    dev = SimDevice(library=lib or moe_library())
+    rows, n_out = x.shape[0], w.shape[1]
+    y = dev.to_device(np.full((rows, n_out), 7.0, np.float32))
+    acc = dev.to_device(np.full((rows, n_out), 7.0, np.float32))
+    dev.launch(gl.grouped_gemm_bf16(dev.to_device(x), dev.to_device(bf16_bits(w)),
+                                    dev.to_device(tile_group.astype(np.int32)), y, acc))
+    return dev.to_host(y), dev.to_host(acc)
+
+
+def check_grouped(x, w, tile_group, y, acc) -> None:
+    tm = gl.const("DG_GEMM_TM")
+    for m, g in enumerate(tile_group):
+        rows = slice(m * tm, (m + 1) * tm)
+        if g < 0:
+            assert (y[rows] == 7.0).all() and (acc[rows] == 7.0).all(), f"tile {m} of no expert was written"
+        else:
+            check_linear(x[rows], w[g], acc[rows], y[rows])
+
+
+# tile groups: skipped tiles (-1) between and after, groups used twice, a group used by no tile
+GROUPED_SHAPES = [  # (tile_group, n_out, k_dim)
+    ([0], 1, 1), ([2, -1, 0, 2, 1, -1], 130, 33), ([1, 1, 0, -1], 128, 64), ([0, 2], 5, 34),
+    ([3, 0, -1], 200, 47), ([1], 72, 16), ([0, 0], 9, 0),
+]
+
+
+@pytest.mark.parametrize("tile_group,n_out,k_dim", GROUPED_SHAPES)
+def test_grouped_gemm_matches_the_bf16_reference(tile_group, n_out, k_dim):
+    rng = np.random.default_rng(n_out * 100 + k_dim)
+    tile_group = np.array(tile_group)
+    tm = gl.const("DG_GEMM_TM")
+    G = max(int(tile_group.max()) + 2, 1)           # one group no tile names
+    x = random_bf16(rng, (len(tile_group) * tm, k_dim))
+    x[-3:] = 0.0                                    # padding rows, as dg_gather_rows leaves them
+    w = random_bf16(rng, (G, n_out, k_dim), 0.05)
+    y, acc = run_grouped(x, w, tile_group)
+    check_grouped(x, w, tile_group, y, acc)
+    used = np.repeat(tile_group >= 0, tm)
+    assert not np.any(y[used].view(np.uint32) & 0xFFFF)
+    if k_dim:
+        ref = np.concatenate([linear(x[m * tm:(m + 1) * tm], w[g], BFLOAT16)
+                              for m, g in enumerate(tile_group) if g >= 0])
+        assert np.count_nonzero(y[used] != ref) <= max(1, ref.size // 50)   # the bound is for rare neighbours
+
+
+def test_grouped_gemm_rounds_ties_to_even_and_takes_non_bf16_inputs_rounded():
+    """An accumulator exactly on a rounding tie goes to the even neighbour; an activation that is not a
+    bfloat16 value is rounded to nearest on staging (the kernel's documented conversion)."""
+    x = np.zeros((16, 2), np.float32)
+    x[0] = [1.0, 2.0 ** -8]                          # 1 + 2^-8: a tie between 1 and 1 + 2^-7
+    x[1] = [1.0 + 2.0 ** -7, 2.0 ** -8]              # a tie to the even 1 + 2^-6
+    x[2] = [1.0 + 2.0 ** -8 + 2.0 ** -20, 0.0]       # not a bfloat16 value: above the midpoint, up to 1 + 2^-7
+    w = np.ones((1, 1, 2), np.float32)
+    y, acc = run_grouped(x, w, np.array([0]))
+    assert y[0, 0] == 1.0 and y[1, 0] == 1.0 + 2.0 ** -6
+    assert acc[2, 0] == 1.0 + 2.0 ** -7 == round_to(x[2:3, :1], BFLOAT16)[0, 0]
+
+
+GEMM_MUTATIONS = {
+    # the A fragment's second and third registers swapped (rows g+8 and columns 8.. exchanged)
+    "fragment layout": ("af[1] = xs[g + 8][ks + t];\n            af[2] = xs[g][ks + t + 4];",
+                        "af[2] = xs[g + 8][ks + t];\n            af[1] = xs[g][ks + t + 4];"),
+    # the wide weight loads' two pairs swapped
+    "pair order": ("ws[r][2 * q] = (unsigned)v;", "ws[r][2 * q] = (unsigned)(v >> 32);"),
+    # the wide activation loads' two values swapped
+    "activation pair": ("xs[r][p] = dg_bf16_pair(dg_float_to_bf16(__uint_as_float((unsigned)v)),",
+                        "xs[r][p] = dg_bf16_pair(dg_float_to_bf16(__uint_as_float((unsigned)(v >> 32))),"),
+    # the element-wise loads drop the last element of an even k_dim
+    "even K": ("in && gk + 1 < k_dim ? row[gk + 1] : (unsigned short)0);",
+               "in && gk + 2 < k_dim ? row[gk + 1] : (unsigned short)0);"),
+    # a weight row past n_out read (cuda-sim's bounds check reports it)
+    "column bound": ("const bool in = n0 + r < n_out;", "const bool in = n0 + r <= n_out;"),
+    # the last partial step of k_dim dropped
+    "K tail": ("k0 < k_dim; k0 += DG_MOE_BF16_TK", "k0 + DG_MOE_BF16_TK <= k_dim; k0 += DG_MOE_BF16_TK"),
+    # tiles of no expert computed with expert 0
+    "skipped tiles": ("if (grp < 0) return;", "if (grp < -1) return;"),
+    # another expert's matrix
+    "expert offset": ("w + (long long)grp * n_out * k_dim", "w + (long long)(grp > 0 ? grp - 1 : 0) * n_out * k_dim"),
+    # the output truncated instead of rounded
+    "output rounding": ("y[at] = dg_bf16_to_float(dg_float_to_bf16(acc[ni][i]));",
+                        "y[at] = __uint_as_float(__float_as_uint(acc[ni][i]) & 0xffff0000u);"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GEMM_MUTATIONS))
+def test_grouped_gemm_checks_catch_a_broken_kernel(name):
+    old, new = GEMM_MUTATIONS[name]
+    text = cb.assemble(MOE_SOURCE)
+    assert text.count(old) == 1, f"mutation {name!r} no longer applies: update it with the kernel"
+    broken = moe_library(text.replace(old, new))
+    rng = np.random.default_rng(4)
+    tile_group = np.array([2, -1, 0, 1])
+    for k_dim in (34, 64, 33):                       # the element-wise and the 8-byte loads
+        x = random_bf16(rng, (len(tile_group) * 16, k_dim))
+        w = random_bf16(rng, (3, 130, k_dim), 0.05)
+        try:
+            check_grouped(x, w, tile_group, *run_grouped(x, w, tile_group, broken))
+        except (AssertionError, KernelCheckError):
+            return
+    pytest.fail(f"mutation {name!r} passed every check")
+
+
+def test_grouped_gemm_launch_builder_checks_its_operands():
+    z, i32, u16 = np.zeros, np.int32, np.uint16
+    launch = gl.grouped_gemm_bf16(z((32, 8), np.float32), z((3, 130, 8), u16), z(2, i32), z((32, 130), np.float32))
+    assert launch.grid == (2, 2, 1) and launch.block == (gl.const("DG_MOE_BF16_THREADS"), 1, 1)
+    assert launch.args[4] is None
+    with pytest.raises(gl.LaunchError, match="w must be uint16, got float32"):
+        gl.grouped_gemm_bf16(z((32, 8), np.float32), z((3, 130, 8), np.float32), z(2, i32), z((32, 130), np.float32))
+    with pytest.raises(gl.LaunchError, match=r"x has shape \(16, 8\), expected \(32, 8\)"):
+        gl.grouped_gemm_bf16(z((16, 8), np.float32), z((3, 130, 8), u16), z(2, i32), z((32, 130), np.float32))
+    with pytest.raises(gl.LaunchError, match="no group"):
+        gl.grouped_gemm_bf16(z((32, 8), np.float32), z((0, 130, 8), u16), z(2, i32), z((32, 130), np.float32))
+    with pytest.raises(gl.LaunchError, match=r"y_acc has shape"):
+        gl.grouped_gemm_bf16(z((32, 8), np.float32), z((3, 130, 8), u16), z(2, i32), z((32, 130), np.float32),
+                             z((32, 129), np.float32))
+
+
+# ------------------------------------------------------------------------------------------------ combination
+def reference_combine(yo: np.ndarray, indices: np.ndarray, choice_row: np.ndarray, weights: np.ndarray,
+                      bf16: bool) -> np.ndarray:
+    """The reference's combination (layers.experts): a loop over experts in ascending order adding each chosen
+    output times its weight with numpy.add.at into float32 zeros, rounded once in bfloat16."""
+    out = np.zeros((indices.shape[0], yo.shape[1]), np.float32)
+    for e in np.unique(indices):
+        token, slot = np.nonzero(indices == e)
+        np.add.at(out, token, yo[choice_row[token, slot]] * weights[token, slot][:, None])
+    return round_to(out, BFLOAT16) if bf16 else out
+
+
+def run_combine(yo, indices, choice_row, weights, bf16: bool, lib: KernelLibrary | None = None) -> np.ndarray:
+    dev = SimDevice(library=lib or KernelLibrary.from_source(cb.assemble(os.path.join(cb.CUDA_DIR, "moe.cu"))))
+    out = dev.empty((indices.shape[0], yo.shape[1]), np.float32)
+    dev.launch(gl.combine_experts(dev.to_device(yo), dev.to_device(indices), dev.to_device(choice_row),
+                                  dev.to_device(weights), out, bf16=bf16))
+    return dev.to_host(out)
+
+
+def combine_case(seed: int = 2, N: int = 9, K: int = 4, E: int = 6, H: int = 37):
+    """Expert outputs of bfloat16 values in rows of their own, each token's K distinct experts in a shuffled
+    order, positive float32 weights with ties (equal weights of two choices of a token)."""
+    rng = np.random.default_rng(seed)
+    indices = np.stack([rng.permutation(E)[:K] for _ in range(N)]).astype(np.int64)
+    choice_row = rng.permutation(N * K).reshape(N, K).astype(np.int32)
+    yo = random_bf16(rng, (N * K, H), 3.0)
+    weights = rng.random((N, K)).astype(np.float32)
+    weights[:, 1] = weights[:, 0]
+    return yo, indices, choice_row, weights
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_combination_is_the_reference_bit_for_bit(bf16):
+    """The sums are float32 in the reference's order (ascending expert index, each product rounded), so the
+    combination is exact, not bounded: the same float32 sum, rounded once in bfloat16."""
+    yo, indices, choice_row, weights = combine_case()
+    got = run_combine(yo, indices, choice_row, weights, bf16)
+    want = reference_combine(yo, indices, choice_row, weights, bf16)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert bf16 == (not np.any(got.view(np.uint32) & 0xFFFF))
+
+
+@pytest.mark.parametrize("name,old,new", [
+    ("not rounded", "o[i] = bf16 ? dg_bf16_to_float(dg_float_to_bf16(s)) : s;", "o[i] = s;"),
+    ("each product rounded", "s = __fadd_rn(s, __fmul_rn(expert_out[row * dim + i], weights[(long long)t * K + k]));",
+     "s = __fadd_rn(s, dg_bf16_to_float(dg_float_to_bf16(__fmul_rn(expert_out[row * dim + i], "
+     "weights[(long long)t * K + k]))));"),
+    ("choice order", "const int k = order[a];", "const int k = K - 1 - a;"),
+])
+def test_combination_check_catches_a_broken_kernel(name, old, new):
+    text = cb.assemble(os.path.join(cb.CUDA_DIR, "moe.cu"))
+    assert text.count(old) == 1, f"mutation {name!r} no longer applies: update it with the kernel"
+    yo, indices, choice_row, weights = combine_case()
+    broken = KernelLibrary.from_source(text.replace(old, new))
+    same = [np.array_equal(run_combine(yo, indices, choice_row, weights, bf16, broken),
+                           reference_combine(yo, indices, choice_row, weights, bf16)) for bf16 in (False, True)]
+    assert not all(same), name

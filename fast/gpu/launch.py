@@ -518,9 +518,34 @@ def grouped_gemm_nt(x, w, tile_group, y) -> Launch:
                    (x, w, tile_group, y, tiles, n_out, K))
 
 
-def combine_experts(expert_out, indices, choice_row, weights, out) -> Launch:
-    """``out[t] = sum_k weights[t, k] * expert_out[choice_row[t, k]]`` in ascending expert order.
-    expert_out (R, H); indices (N, K) int64; choice_row (N, K) int32; weights (N, K) float32; out (N, H)."""
+def grouped_gemm_bf16(x, w, tile_group, y, y_acc=None) -> Launch:
+    """The bfloat16 ``grouped_gemm_nt`` on tensor cores (see ``dg_grouped_gemm_bf16``): per row tile m of TM rows,
+    ``y[tile] = bf16(x[tile] @ w[tile_group[m]].T)`` with float32 sums. x (tiles*TM, K) float32 holding bfloat16
+    values; w (G, n_out, K) uint16 bfloat16 bits (each expert's (out, in) matrix); tile_group (tiles,) int32;
+    y (tiles*TM, n_out) float32, the outputs rounded to bfloat16; y_acc: None or (tiles*TM, n_out) float32, the
+    float32 accumulator as it is."""
+    k = "dg_grouped_gemm_bf16"
+    tm, tn = const("DG_GEMM_TM"), const("DG_MOE_BF16_TN")
+    _ndim(k, "w", w, 3)
+    _ndim(k, "tile_group", tile_group, 1)
+    G, n_out, K = w.shape
+    if G == 0:
+        raise LaunchError(f"{k}: w holds no group (shape {tuple(w.shape)}); every tile names one")
+    tiles = tile_group.shape[0]
+    _shape(k, "x", x, (tiles * tm, K))
+    _shape(k, "y", y, (tiles * tm, n_out))
+    _shape(k, "y_acc", y_acc, (tiles * tm, n_out))
+    if tiles > 65535:
+        raise LaunchError(f"{k}: {tiles} row tiles exceed the grid's y limit 65535")
+    return _launch(k, (max(1, -(-n_out // tn)), max(tiles, 1)), const("DG_MOE_BF16_THREADS"),
+                   (x, w, tile_group, y, y_acc, tiles, n_out, K))
+
+
+def combine_experts(expert_out, indices, choice_row, weights, out, bf16: bool = False) -> Launch:
+    """``out[t] = sum_k weights[t, k] * expert_out[choice_row[t, k]]`` in ascending expert order, float32.
+    expert_out (R, H); indices (N, K) int64; choice_row (N, K) int32; weights (N, K) float32; out (N, H).
+    bf16: a bfloat16 run's (SPEC §10.1 B6): expert_out holds bfloat16 values and the float32 sum is rounded once
+    to bfloat16."""
     k = "dg_combine_experts"
     _ndim(k, "indices", indices, 2)
     N, K = indices.shape
@@ -531,7 +556,8 @@ def combine_experts(expert_out, indices, choice_row, weights, out) -> Launch:
     _shape(k, "choice_row", choice_row, (N, K))
     _shape(k, "weights", weights, (N, K))
     _shape(k, "out", out, (N, H))
-    return _launch(k, max(N, 1), _row_threads(H), (expert_out, indices, choice_row, weights, out, N, K, H))
+    return _launch(k, max(N, 1), _row_threads(H), (expert_out, indices, choice_row, weights, out, N, K, H,
+                                                   int(bool(bf16))))
 
 
 # ------------------------------------------------------------------------------------------------ sampling.cu

@@ -30,6 +30,12 @@
 #define DG_BF16_TN 64
 #define DG_BF16_TK 32
 #define DG_BF16_THREADS 128
+// Grouped bfloat16 expert GEMM (moe_bf16.cu): a block computes one row tile of DG_GEMM_TM rows x DG_MOE_BF16_TN
+// output columns with DG_MOE_BF16_THREADS / 32 warps side by side (each 16 x DG_MOE_BF16_TN / warps as mma tiles
+// of 16 x 8), stepping DG_MOE_BF16_TK deep (a multiple of the mma's 16).
+#define DG_MOE_BF16_TN 128
+#define DG_MOE_BF16_TK 32
+#define DG_MOE_BF16_THREADS 128
 // Sampling pass: threads per row, and the vocabulary chunk whose float64 sum is kept for the CDF.
 #define DG_SAMPLE_THREADS 256
 #define DG_SAMPLE_CHUNK 1024

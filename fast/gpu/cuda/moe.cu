@@ -11,6 +11,7 @@
 //   dg_combine_experts per token, sum of weight * expert output in ascending expert order
 
 #include "common.cuh"
+#include "bf16.cuh"
 
 // probs: (N, E) float32 router logits z @ W_router^T, overwritten with softmax probabilities (then used
 // as scratch: a chosen expert is marked -1). indices: (N, K) int64, the K most probable experts, most
@@ -160,10 +161,13 @@ dg_grouped_gemm_nt(const float* x, const float* w, const int* tile_group, float*
 
 // out[t] = sum over token t's K choices, in ascending expert order, of weights[t, k] * expert_out[row]
 // (row = choice_row[t*K + k]); each product is rounded to float32 before it is added, as the reference's
-// numpy.add.at does. expert_out: (rows, dim); indices, weights: (N, K); out: (N, dim). grid = N.
+// numpy.add.at does. bf16 != 0 (a bfloat16 run, SPEC §10.1 B6): expert_out holds bfloat16 values, the products
+// and the sum are float32 as above, and the sum is rounded once to bfloat16 (out holds bfloat16 values), as
+// transformers' grouped_mm_experts_forward and reference/layers.py experts with dtype bfloat16 do.
+// expert_out: (rows, dim); indices, weights: (N, K); out: (N, dim). grid = N.
 extern "C" __global__ void dg_combine_experts(const float* expert_out, const long long* indices,
                                               const int* choice_row, const float* weights, float* out,
-                                              int N, int K, int dim) {
+                                              int N, int K, int dim, int bf16) {
     __shared__ int order[32];                        // K <= 32 (checked on the host)
     const int t = blockIdx.x;
     if (t >= N) return;
@@ -188,6 +192,6 @@ extern "C" __global__ void dg_combine_experts(const float* expert_out, const lon
             const long long row = choice_row[(long long)t * K + k];
             s = __fadd_rn(s, __fmul_rn(expert_out[row * dim + i], weights[(long long)t * K + k]));
         }
-        o[i] = s;
+        o[i] = bf16 ? dg_bf16_to_float(dg_float_to_bf16(s)) : s;
     }
 }
