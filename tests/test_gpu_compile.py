@@ -23,8 +23,8 @@ from diffusiongemma.fast.gpu import launch as gl
 
 ARCHS = ("sm_80", "sm_90")
 # kernels that run once per layer or per step on big operands: a spill there costs real time
-HOT_KERNELS = ("dg_attention", "dg_grouped_gemm_nt", "dg_sample_rows", "dg_qkv_heads", "dg_rms_norm",
-               "dg_ffn_tail", "dg_gated_gelu", "dg_router", "dg_combine_experts")
+HOT_KERNELS = ("dg_attention", "dg_attention_bf16", "dg_grouped_gemm_nt", "dg_sample_rows", "dg_qkv_heads",
+               "dg_rms_norm", "dg_ffn_tail", "dg_gated_gelu", "dg_router", "dg_combine_experts")
 #: the NVRTC wheel of the test extra (setup.py) and where it has wheels
 NVRTC_WHEEL = "nvidia-cuda-nvrtc-cu12"
 

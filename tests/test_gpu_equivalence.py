@@ -429,6 +429,19 @@ def test_bf16_gemm_within_its_accumulation_bound(device):
         check(a, b, *run(a, b, dev=device))
 
 
+def test_bf16_attention_within_its_bound(device):
+    """``dg_attention_bf16`` on this device (tensor cores on a GPU, the emulated ``mma`` on cuda-sim): an encoder
+    chunk over a sliding layer's ring cache with padding, and a decoder canvas over a cache, against the
+    reference's bfloat16 ``attend`` within the bound tests/test_gpu_attention_bf16.py states."""
+    from tests.test_gpu_attention_bf16 import Case, check, run
+
+    rng = np.random.default_rng(9)
+    for kw in (dict(N=2, S=70, nh=4, g=2, d=64, past=40, ring=15, window=16, pad=[0, 5], scale=2.0),
+               dict(N=2, S=24, nh=8, g=2, d=256, past=50, decoder=True, rows=[1, 0], pad=[3, 0], scale=2.0)):
+        case = Case(rng, **kw)
+        check(case, run(case, dev=device), agree=0.8)  # tensor cores and CUDA expf: other neighbours
+
+
 def test_round_bf16_is_the_reference_rounding(device):
     """``dg_round_bf16`` on this device: every element of a float32 array rounded to bfloat16 in place (ties to
     even, overflow to infinity, NaN kept), bit for bit the reference's ``round_to(x, BFLOAT16)``."""

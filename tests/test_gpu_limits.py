@@ -79,12 +79,13 @@ def zero_size_cases(dev):
               ("dg_qkv_heads", "d=0", lambda: qkv(d=0)), ("dg_qkv_heads", "n_kv=0", lambda: qkv(n_kv=0)),
               ("dg_qkv_heads", "n_heads=0", lambda: qkv(n_heads=0))]
 
-    def attention(N=2, S=3, nh=4, g=2, d=8, slots=5, n_cache=3, n_new=4, P=9):
-        return gl.attention(z(N, S, nh, d), z(S, dtype=i64), z(N, g, slots, d), z(N, g, slots, d), None, n_cache,
-                            z(slots, dtype=i64), z(N, P, dtype=u8), z(N, g, n_new, d), z(N, g, n_new, d),
-                            z(n_new, dtype=i64), z(N, n_new, dtype=u8), 0, False, z(N, S, nh * d))
+    def attention(N=2, S=3, nh=4, g=2, d=8, slots=5, n_cache=3, n_new=4, P=9, build=gl.attention):
+        return build(z(N, S, nh, d), z(S, dtype=i64), z(N, g, slots, d), z(N, g, slots, d), None, n_cache,
+                     z(slots, dtype=i64), z(N, P, dtype=u8), z(N, g, n_new, d), z(N, g, n_new, d),
+                     z(n_new, dtype=i64), z(N, n_new, dtype=u8), 0, False, z(N, S, nh * d))
 
-    cases += [("dg_attention", f"{k}=0", lambda k=k: attention(**{k: 0}))
+    cases += [(kernel, f"{k}=0", lambda k=k, b=build: attention(**{k: 0}, build=b))
+              for kernel, build in (("dg_attention", gl.attention), ("dg_attention_bf16", gl.attention_bf16))
               for k in ("N", "S", "nh", "g", "d", "slots", "n_cache", "n_new", "P")]
 
     def router(N=3, E=4, K=2):

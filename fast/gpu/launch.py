@@ -397,6 +397,17 @@ def attention(q, q_pos, cache_k, cache_v, cache_rows, n_cache: int, slot_pos, ca
     slot_pos (slots,) int64; cache_real (B_c, P) uint8; new_k, new_v (N, g, n_new, d) or None; new_pos
     (n_new,) int64; new_real (N, n_new) uint8; out (N, S, n_h * d)."""
     k = "dg_attention"
+    N, S, n_h, d, g, values = _attention_operands(k, q, q_pos, cache_k, cache_v, cache_rows, n_cache, slot_pos,
+                                                  cache_real, new_k, new_v, new_pos, new_real, window, causal, out)
+    q_block, key_tile, smem = attention_plan(S, n_h // g, d, budget)
+    grid = (max(1, -(-S // q_block)), g, max(N, 1))
+    return _launch(k, grid, const("DG_ATT_THREADS"), values + (q_block, key_tile, out), smem)
+
+
+def _attention_operands(k: str, q, q_pos, cache_k, cache_v, cache_rows, n_cache: int, slot_pos, cache_real, new_k,
+                        new_v, new_pos, new_real, window: int, causal: bool, out) -> tuple:
+    """The operand checks shared by ``attention`` and ``attention_bf16`` (errors name kernel ``k``): returns
+    (N, S, n_h, d, g, the kernel's arguments up to ``causal``)."""
     _ndim(k, "q", q, 4)
     N, S, n_h, d = q.shape
     _shape(k, "q_pos", q_pos, (S,))
@@ -440,12 +451,69 @@ def attention(q, q_pos, cache_k, cache_v, cache_rows, n_cache: int, slot_pos, ca
         raise LaunchError(f"{k}: no keys at all (no cache entries and no new keys)")
     if g <= 0 or n_h % g:
         raise LaunchError(f"{k}: {g} KV heads do not divide {n_h} query heads")
-    q_block, key_tile, smem = attention_plan(S, n_h // g, d, budget)
-    grid = (max(1, -(-S // q_block)), g, max(N, 1))
-    return _launch(k, grid, const("DG_ATT_THREADS"),
-                   (q, q_pos, N, S, n_h, d, cache_k, cache_v, cache_rows, n_cache, slots, slot_pos, cache_real,
-                    real_stride, new_k, new_v, n_new, new_pos, new_real, g, int(window or 0), int(bool(causal)),
-                    q_block, key_tile, out), smem)
+    return N, S, n_h, d, g, (q, q_pos, N, S, n_h, d, cache_k, cache_v, cache_rows, n_cache, slots, slot_pos,
+                             cache_real, real_stride, new_k, new_v, n_new, new_pos, new_real, g, int(window or 0),
+                             int(bool(causal)))
+
+
+# ------------------------------------------------------------------------------------------------ attention_bf16.cu
+@functools.lru_cache(maxsize=None)
+def _attention_bf16_constants(directory: str = CUDA_DIR) -> dict[str, int]:
+    """The ``#define DG_ATTB_*`` constants of attention_bf16.cu (kept with that kernel rather than in common.cuh)."""
+    with open(os.path.join(directory, "attention_bf16.cu"), encoding="utf-8") as f:
+        return {k: int(v) for k, v in _DEFINE.findall(f.read()) if k.startswith("DG_ATTB_")}
+
+
+def attention_bf16_shared_bytes(row_tiles: int, d: int) -> int:
+    """Dynamic shared memory of ``dg_attention_bf16`` for blocks of R = 16 * row_tiles (query, head) rows and head
+    dim d (d16: d rounded up to 16; K = DG_ATTB_KEYS keys per tile): the tile's key positions and the rows' query
+    positions (int64), the key flags and the rows' maxima and sums (4 bytes each), then 32-bit bf16 pairs: the
+    rows' queries and the tile's keys (rows of d16 / 2 + 4 pairs), the tile's values transposed (d16 rows of
+    K / 2 + 4 pairs), and the tile's float32 scores (R rows of K + 1; the weights' pairs reuse them)."""
+    K = _attention_bf16_constants()["DG_ATTB_KEYS"]
+    R, d16 = 16 * row_tiles, -(-d // 16) * 16
+    return 8 * (K + R) + 4 * (K + 2 * R) + 4 * ((R + K) * (d16 // 2 + 4) + d16 * (K // 2 + 4) + R * (K + 1))
+
+
+def attention_bf16_plan(S: int, r: int, d: int, budget: int = ATTENTION_SHARED_BUDGET) -> tuple[int, int]:
+    """(row_tiles, shared bytes) of ``dg_attention_bf16`` for S queries, r query heads per KV head, head dim d.
+
+    A block holds R = 16 * row_tiles of the S * r (query, head) rows of one KV head: the largest power of two
+    row_tiles <= DG_ATTB_MAX_ROW_TILES with row_tiles * d16 <= 32 * DG_ATTB_OUT_TILES (the 16 x 8 output tiles
+    of the 4 warps, held in registers; d16 = d rounded up to 16), halved while half as many rows cover S * r, and
+    whose shared memory fits ``budget``: head dims 512, 256, 128 and <= 64 get 16, 32, 64 and 128 rows
+    (93,632, 59,392, 46,208 and 47,488 bytes for d = 512, 256, 128, 64). Raises ``LaunchError`` for a head dim
+    outside 1..DG_MAX_HEAD_DIM or when one row tile does not fit ``budget``."""
+    c, k = _attention_bf16_constants(), "dg_attention_bf16"
+    if d <= 0 or d > const("DG_MAX_HEAD_DIM"):
+        raise LaunchError(f"{k}: head dim {d} must be 1 to {const('DG_MAX_HEAD_DIM')}")
+    if r < 1:
+        raise LaunchError(f"{k}: {r} query heads per KV head (at least 1)")
+    d16 = -(-d // 16) * 16
+    row_tiles = c["DG_ATTB_MAX_ROW_TILES"]
+    while row_tiles > 1 and (row_tiles * d16 > 32 * c["DG_ATTB_OUT_TILES"] or 8 * row_tiles >= S * r):
+        row_tiles //= 2
+    while attention_bf16_shared_bytes(row_tiles, d) > budget:
+        if row_tiles == 1:
+            raise LaunchError(f"{k}: head dim {d} does not fit {budget} bytes of shared memory "
+                              f"({attention_bf16_shared_bytes(1, d)} needed)")
+        row_tiles //= 2
+    return row_tiles, attention_bf16_shared_bytes(row_tiles, d)
+
+
+def attention_bf16(q, q_pos, cache_k, cache_v, cache_rows, n_cache: int, slot_pos, cache_real, new_k, new_v, new_pos,
+                   new_real, window: int, causal: bool, out, budget: int = ATTENTION_SHARED_BUDGET) -> Launch:
+    """The attention of a bfloat16 run (see ``dg_attention_bf16``), on tensor cores from sm_80: the parameters,
+    shapes and checks of ``attention`` (the float32 arrays holding bfloat16 values), the semantics of
+    ``reference.layers.attend(..., dtype=BFLOAT16)`` (scores and normalised weights rounded to bfloat16, a
+    float32 softmax, the output rounded to bfloat16; out receives bfloat16 values as float32). The launch plan
+    is ``attention_bf16_plan``'s; grid (ceil(S * r / R), g, N). Raises ``LaunchError``."""
+    k = "dg_attention_bf16"
+    N, S, n_h, d, g, values = _attention_operands(k, q, q_pos, cache_k, cache_v, cache_rows, n_cache, slot_pos,
+                                                  cache_real, new_k, new_v, new_pos, new_real, window, causal, out)
+    row_tiles, smem = attention_bf16_plan(S, n_h // g, d, budget)
+    grid = (max(1, -(-(S * (n_h // g)) // (16 * row_tiles))), g, max(N, 1))
+    return _launch(k, grid, _attention_bf16_constants()["DG_ATTB_THREADS"], values + (row_tiles, out), smem)
 
 
 # ------------------------------------------------------------------------------------------------ moe.cu

@@ -1,0 +1,272 @@
+"""The attention of a bfloat16 run on tensor cores (``dg_attention_bf16``, fast/gpu/cuda/attention_bf16.cu) on
+cuda-sim, against the reference's ``attend(..., dtype=BFLOAT16)`` (reference/layers.py; SPEC §10.1) fed the same
+bfloat16 values through the model's visibility rules (reference/masks.py), and its compile checks.
+
+The bound. The kernel and the reference round at the same four places (the scores, the softmax's weights, the
+output; the inputs are bfloat16 already) but add in different orders, so a rounding may land on either side of a
+boundary that the exact value lies close to. The test follows each quantity through an interval, in float64,
+around the exact values of the bfloat16 inputs (u = 2^-23 is float32's relative rounding error bound):
+
+1. Score s = bf16(q . k): the float32 sum of d exact products in any order is within
+   e_s = (2 d16 + 16) u sum_c |q_c k_c| of the exact dot product (d16: d rounded up to 16, the zero-padded
+   depth of the mma; the argument of tests/test_gpu_bf16.py for ``dg_gemm_bf16``), so s lies in
+   [bf16(dot - e_s), bf16(dot + e_s)] (rounding is monotone). An invisible key's score is -inf.
+2. Weight w = exp(s - m) / sum_t exp(s_t - m), in float32, before its rounding: the softmax is increasing in its
+   own score and decreasing in the others, so over the score intervals the exact weight lies in
+   [E_lo / (E_lo + sum_others E_hi), E_hi / (E_hi + sum_others E_lo)] with E = exp(s - M). The kernel computes
+   it with a running maximum and sum (rescaled once per tile of 32 keys), the reference in one pass; either is
+   within a relative delta = (2 T + 256) u of the exact value of its own scores (T additions of positive terms,
+   T / 32 rescales, 2 ulp per expf and per product, and |s - m| u <= 52 u for the rounding of the exponent's
+   argument, |s - m| <= 104 before expf underflows), plus an absolute 2^-140 for underflowing terms. The
+   rounded weight p lies between the roundings of the interval's ends moved by that error.
+3. Output o = bf16(sum_t p_t v_t): with each p_t anywhere in its interval the exact sum lies in
+   [sum_t min(p_lo v, p_hi v), sum_t max(p_lo v, p_hi v)], and the float32 sum in any order of T' (T rounded up
+   to the 32-key tile) exact products is within e_o = (2 T' + 16) u sum_t p_hi |v_t| of it; o lies between the
+   roundings of the ends moved by e_o. A query that sees no key gets exact zeros.
+
+The reference's own output must lie in the same interval (it is one more order of the same sums: a check of the
+bound itself), and kernel and reference agree exactly for nearly every output. Each check is shown to fail on
+a mutated copy of the kernel (unrounded scores or weights, a window off by one, a skipped tile...).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+from diffusiongemma.fast.gpu import build as cb
+from diffusiongemma.fast.gpu import launch as gl
+from diffusiongemma.fast.gpu.sim import KernelCheckError, KernelLibrary, SimDevice
+from diffusiongemma.reference.layers import attend
+from diffusiongemma.reference.masks import decoder_visibility, encoder_visibility
+from diffusiongemma.reference.primitives import BFLOAT16, round_to
+
+SOURCE = os.path.join(cb.CUDA_DIR, "attention_bf16.cu")
+f32, f64, i64, i32, u8 = np.float32, np.float64, np.int64, np.int32, np.uint8
+U = 2.0 ** -23
+
+
+def library(text: str | None = None) -> KernelLibrary:
+    """The kernel's own source (with its headers) compiled for cuda-sim: ``text`` replaces it when given."""
+    return KernelLibrary.from_source(text if text is not None else cb.assemble(SOURCE))
+
+
+def bf16(x) -> np.ndarray:
+    return round_to(np.asarray(x, f32), BFLOAT16)
+
+
+# ------------------------------------------------------------------------------------------------ cases
+class Case:
+    """One call of ``gl.attention_bf16`` as the GPU model makes it (fast/gpu/model.py ``_GpuKeys.attend``) and
+    the same call as the reference model makes ``attend``: the encoder (causal, a window on sliding layers)
+    over a cache written by earlier chunks and the chunk's own keys, or the decoder (bidirectional, no window)
+    over the retained cache and the canvas.
+
+    N query rows of S tokens, nh query heads over g KV heads of dim d. The cache holds ``past`` positions of
+    each of its B_c rows (``pad[b]`` left-padding positions not real); ``ring`` > 0 keeps only the last ``ring``
+    positions in slots ``p mod ring`` (a sliding layer's cache, W - 1 slots), else position p sits in slot p;
+    ``extra_slots`` empty slots (position -1) follow. ``rows``: the cache row of each query row (None: row n).
+    """
+
+    def __init__(self, rng, *, N=2, S=5, nh=4, g=2, d=32, past=0, ring=0, extra_slots=0, decoder=False,
+                 window=0, pad=None, rows=None, scale=1.0, B_c=None):
+        self.N, self.S, self.nh, self.g, self.d, self.decoder = N, S, nh, g, d, decoder
+        self.window = 0 if decoder else window
+        self.causal = not decoder
+        B_c = B_c or N
+        self.rows = None if rows is None else np.asarray(rows, i32)
+        self.pad = np.zeros(B_c, i64) if pad is None else np.asarray(pad, i64)
+        kept = np.arange(max(0, past - ring), past) if ring else np.arange(past)
+        slots = (ring if ring else past) + extra_slots
+        self.slot_pos = np.full(slots, -1, i64)
+        self.slot_pos[kept % ring if ring else kept] = kept
+        self.n_cache = slots
+        P = past + S + 3                                     # the real-flag table covers every position
+        self.cache_real = (np.arange(P)[None, :] >= self.pad[:, None]).astype(u8)
+        sd = scale * d ** -0.25                              # scores of standard deviation ~ scale^2
+        self.cache_k = bf16(rng.standard_normal((B_c, g, slots, d)) * sd)
+        self.cache_v = bf16(rng.standard_normal((B_c, g, slots, d)))
+        self.q = bf16(rng.standard_normal((N, S, nh, d)) * sd)
+        self.q_pos = past + np.arange(S, dtype=i64)
+        self.new_k = bf16(rng.standard_normal((N, g, S, d)) * sd)
+        self.new_v = bf16(rng.standard_normal((N, g, S, d)))
+        crow = np.arange(N) if self.rows is None else self.rows
+        if decoder:
+            self.new_real = np.ones((N, S), u8)              # the canvas is all real
+        else:
+            self.new_real = (self.q_pos[None, :] >= self.pad[crow][:, None]).astype(u8)
+
+    def launch_args(self, dev, out) -> tuple:
+        up = dev.to_device
+        cache = self.n_cache > 0
+        return (up(self.q), up(self.q_pos), up(self.cache_k) if cache else None, up(self.cache_v) if cache else None,
+                None if self.rows is None or not cache else up(self.rows), self.n_cache,
+                up(self.slot_pos) if cache else None, up(self.cache_real) if cache else None, up(self.new_k),
+                up(self.new_v), up(self.q_pos), up(self.new_real), self.window, self.causal, out)
+
+    def reference_inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """keys, values (N, g, T, d) and visible (N, S or 1, T) as the reference model builds them."""
+        crow = np.arange(self.N) if self.rows is None else self.rows
+        keys = np.concatenate([self.cache_k[crow], self.new_k], axis=2)
+        values = np.concatenate([self.cache_v[crow], self.new_v], axis=2)
+        pos = self.slot_pos
+        cache_is_real = (pos >= 0)[None, :] & (self.cache_real[crow][:, np.clip(pos, 0, None)] != 0)
+        if self.decoder:
+            visible = decoder_visibility(cache_is_real, self.S)
+        else:
+            key_pos = np.concatenate([pos, self.q_pos])
+            key_real = np.concatenate([cache_is_real, self.new_real != 0], axis=1)
+            visible = encoder_visibility(self.q_pos, key_pos, key_real, self.window or None)
+        return keys, values, visible
+
+
+def run(case: Case, lib: KernelLibrary | None = None, dev=None) -> np.ndarray:
+    """The kernel's output (N, S, nh * d) on ``dev`` (default: cuda-sim with ``lib``, every launch checked:
+    bounds, races, divergence, and the same output in two thread orders); it starts as NaN, so an output the
+    kernel does not write shows."""
+    dev = dev or SimDevice(library=lib or library())
+    out = dev.to_device(np.full((case.N, case.S, case.nh * case.d), np.nan, f32))
+    dev.launch(gl.attention_bf16(*case.launch_args(dev, out)))
+    return dev.to_host(out)
+
+
+# ------------------------------------------------------------------------------------------------ the bound
+def interval(q, keys, values, visible) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) (B, S, nh * d) float32: the bfloat16 outputs any correct summation order may give (docstring)."""
+    B, S, nh, d = q.shape
+    g, T = keys.shape[1], keys.shape[2]
+    r = nh // g
+    q64 = q.astype(f64).reshape(B, S, g, r, d).transpose(0, 2, 3, 1, 4)         # (B, g, r, S, d)
+    k64 = keys.astype(f64)[:, :, None]                                          # (B, g, 1, T, d)
+    dot = q64 @ k64.swapaxes(-1, -2)                                            # (B, g, r, S, T)
+    e_s = (2 * (-(-d // 16) * 16) + 16) * U * (np.abs(q64) @ np.abs(k64).swapaxes(-1, -2))
+    mask = np.broadcast_to(visible[:, None, None], dot.shape)
+    s_lo = np.where(mask, bf16((dot - e_s).astype(f32)).astype(f64), -np.inf)
+    s_hi = np.where(mask, bf16((dot + e_s).astype(f32)).astype(f64), -np.inf)
+    top = np.max(s_hi, axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    E_lo, E_hi = np.exp(s_lo - top), np.exp(s_hi - top)
+    A_lo, A_hi = E_lo.sum(-1, keepdims=True), E_hi.sum(-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        P_lo = np.where(mask, E_lo / (E_lo + np.maximum(A_hi - E_hi, 0.0)), 0.0)
+        P_hi = np.where(mask, E_hi / (E_hi + np.maximum(A_lo - E_lo, 0.0)), 0.0)
+    delta = (2 * T + 256) * U
+    p_lo = np.where(mask, bf16(np.maximum(P_lo * (1 - delta) - 2.0 ** -140, 0.0).astype(f32)), 0.0).astype(f64)
+    p_hi = np.where(mask, bf16(np.minimum(P_hi * (1 + delta) + 2.0 ** -140, 1.0).astype(f32)), 0.0).astype(f64)
+    v64 = values.astype(f64)[:, :, None]                                        # (B, g, 1, T, d)
+    # sum_t min(p_lo v, p_hi v) = sum_t (p_lo v+ - p_hi v-) with v = v+ - v- (p_lo <= p_hi, both >= 0)
+    vp, vn = np.maximum(v64, 0.0), np.maximum(-v64, 0.0)
+    o_lo = p_lo @ vp - p_hi @ vn
+    o_hi = p_hi @ vp - p_lo @ vn
+    T_pad = -(-T // 32) * 32
+    e_o = (2 * T_pad + 16) * U * (p_hi @ np.abs(v64))
+    lo = bf16((o_lo - e_o).astype(f32))
+    hi = bf16((o_hi + e_o).astype(f32))
+    back = lambda x: x.transpose(0, 3, 1, 2, 4).reshape(B, S, nh * d)  # noqa: E731
+    return back(lo), back(hi)
+
+
+def check(case: Case, got: np.ndarray, agree: float = 0.97) -> None:
+    """Raise AssertionError unless ``got`` is within the bound of the docstring (and the reference too)."""
+    keys, values, visible = case.reference_inputs()
+    ref = attend(case.q, keys, values, visible, dtype=BFLOAT16)
+    lo, hi = interval(case.q, keys, values, visible)
+    assert np.all((lo <= ref) & (ref <= hi)), "the reference itself is outside the bound: the bound is wrong"
+    assert not np.isnan(got).any(), f"{np.count_nonzero(np.isnan(got))} outputs NaN (unwritten)"
+    assert np.array_equal(bf16(got), got), "outputs are not bfloat16 values"
+    outside = ~((lo <= got) & (got <= hi))
+    assert not outside.any(), (f"{np.count_nonzero(outside)} of {got.size} outputs outside the bound, first at "
+                               f"{np.argwhere(outside)[0]}: {got[outside][:3]} not in [{lo[outside][:3]}, "
+                               f"{hi[outside][:3]}] (reference {ref[outside][:3]})")
+    unseen = ~visible.any(-1)                                                   # (N, S or 1)
+    unseen = np.broadcast_to(unseen, got.shape[:2])
+    assert np.all(got[unseen] == 0.0), "a query that sees no key must get zeros"
+    same = np.count_nonzero(got == ref) / max(got.size, 1)
+    assert same >= agree, f"only {same:.1%} of the outputs equal the reference's"
+
+
+# ------------------------------------------------------------------------------------------------ against the reference
+CASES = {
+    # the decoder: a canvas over a cache, every key visible, one query head per KV head, head dim 16
+    "decoder r=1 d=16": dict(N=2, S=9, nh=2, g=2, d=16, past=10, decoder=True),
+    # the decoder with its cache rows permuted (cache_rows), padded cache rows and grouped heads r = 4, d = 64
+    "decoder rows r=4 d=64": dict(N=2, S=20, nh=8, g=2, d=64, past=37, decoder=True, rows=[1, 0], pad=[0, 6],
+                                  scale=2.0),
+    # an encoder chunk after a first one, r = 2, d = 32, left padding, empty slots after the cache, 9 + 7 keys
+    "encoder r=2 d=32": dict(N=2, S=7, nh=4, g=2, d=32, past=9, extra_slots=3, pad=[0, 3], scale=2.0),
+    # a sliding layer: ring of W - 1 = 7 slots, window 8 shorter than the chunk of 40, r = 4, d = 64
+    "sliding window r=4 d=64": dict(N=2, S=40, nh=4, g=1, d=64, past=20, ring=7, window=8, pad=[0, 5], scale=2.0),
+    # no cache at all (the first chunk), r = 2, d = 32: 13 keys, none a multiple of the tile
+    "zero cache": dict(N=1, S=13, nh=2, g=1, d=32, scale=2.0),
+    # a padding row whose every key is padding (pad past all positions): its queries see nothing -> zeros
+    "fully masked row": dict(N=2, S=6, nh=2, g=1, d=32, past=5, pad=[2, 40], scale=2.0),
+    # a head dim not a multiple of 16 (a zero-padded depth) and a single query over a single key
+    "d=24 one key": dict(N=1, S=1, nh=2, g=2, d=24),
+    # the released head sizes: d = 256 (16 query heads over 8 KV heads) and d = 512 (r = 8), cache plus canvas
+    "d=256": dict(N=1, S=20, nh=4, g=2, d=256, past=45, decoder=True, scale=3.0),
+    "d=512 r=8": dict(N=1, S=3, nh=8, g=1, d=512, past=40, scale=3.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_the_bf16_reference(name):
+    rng = np.random.default_rng(sorted(CASES).index(name))
+    case = Case(rng, **CASES[name])
+    got = run(case)
+    check(case, got)
+    if name == "fully masked row":
+        assert np.all(got[1] == 0) and np.any(got[0] != 0)
+
+
+def test_a_long_prompt_on_the_tiled_path():
+    """A 330-token chunk after 40 cached positions of a sliding layer (window 64) and a 300-token first chunk
+    of a full layer: 11 and 10 key tiles, several row blocks, tiles skipped by the causal mask and the window."""
+    rng = np.random.default_rng(30)
+    for kw in (dict(N=1, S=330, nh=4, g=2, d=32, past=40, ring=63, window=64, pad=[7], scale=2.0),
+               dict(N=1, S=300, nh=2, g=1, d=64, scale=2.0)):
+        case = Case(rng, **kw)
+        check(case, run(case))
+
+
+def test_equal_keys_and_a_score_on_a_rounding_tie():
+    """Duplicate keys (equal scores, equal weights) and a score exactly halfway between two bfloat16 values
+    (1 + 2^-8, rounded to the even 1): every sum here is exact in float32 in any order, so the kernel must give
+    the reference's output bit for bit (rounding the score up gives another weight: 0.734375, not 0.73046875)."""
+    rng = np.random.default_rng(4)
+    case = Case(rng, N=1, S=2, nh=1, g=1, d=16)
+    case.q[:] = 0.0
+    case.q[0, :, 0, :2] = [1.0, 2.0 ** -8]
+    case.new_k[:] = 0.0
+    case.new_k[0, 0, 0, :2] = [1.0, 1.0]                # score 1 + 2^-8 from query 1, 1.0 from query 0
+    case.new_k[0, 0, 1, :2] = [0.0, 0.0]                # score 0
+    case.new_v[:] = np.arange(32, dtype=f32).reshape(1, 1, 2, 16) - 8
+    got = run(case)
+    keys, values, visible = case.reference_inputs()
+    ref = attend(case.q, keys, values, visible, dtype=BFLOAT16)
+    assert np.array_equal(got, ref)
+    w = bf16(np.float32(np.e) / np.float32(np.e + 1))   # the weight of the first key after the tie went to even
+    assert np.array_equal(got[0, 1], bf16(w * case.new_v[0, 0, 0] + bf16(1 - w) * case.new_v[0, 0, 1]))
+    dup = Case(rng, N=1, S=4, nh=2, g=1, d=32, past=6, decoder=True, scale=3.0)
+    dup.cache_k[:, :, 3:6] = dup.cache_k[:, :, 0:3]     # three pairs of equal keys
+    check(dup, run(dup))
+
+
+def test_empty_slots_and_padding_keys_are_not_read():
+    """Values of an empty slot (position -1) or a padding position may be anything (a GPU cache is not cleared):
+    NaN there must not reach any output, as the reference never sees them (0 x NaN would be NaN on mma)."""
+    rng = np.random.default_rng(8)
+    case = Case(rng, N=2, S=5, nh=4, g=2, d=32, past=9, extra_slots=4, pad=[0, 4], scale=2.0)
+    clean = Case(rng, N=2, S=5, nh=4, g=2, d=32, past=9, extra_slots=4, pad=[0, 4], scale=2.0)
+    for a, b in ((case.cache_k, clean.cache_k), (case.cache_v, clean.cache_v), (case.q, clean.q),
+                 (case.new_k, clean.new_k), (case.new_v, clean.new_v)):
+        b[...] = a
+    case.cache_k[:, :, 9:], case.cache_v[:, :, 9:] = np.nan, np.nan        # the empty slots
+    case.cache_k[1, :, :4], case.cache_v[1, :, :4] = np.inf, np.nan         # row 1's padding positions
+    got = run(case)
+    assert np.isfinite(got).all()
+    clean.cache_k[:, :, 9:], clean.cache_v[:, :, 9:] = 0.0, 0.0
+    clean.cache_k[1, :, :4], clean.cache_v[1, :, :4] = 0.0, 0.0
+    check(clean, got)
