@@ -120,6 +120,74 @@ cdef extern from *:
         return x / (1.0f + dg_expf(-2.0f * y));
     }
 
+    /* ---- the bfloat16 run (SPEC §10.1): rounding points inside the fused kernels
+       dg_bf16(x): x rounded to the nearest bfloat16, ties to even, widened back to float32 (exact), i.e.
+       reference.primitives.round_to(x, BFLOAT16) (ml_dtypes' cast, torch's .to(torch.bfloat16)): the low 16
+       bits are rounded away on the integer pattern (adding 0x7fff plus the kept lsb carries into the
+       exponent where needed, so the largest finite floats overflow to +-inf and subnormals round as
+       numbers); infinities are unchanged, and a NaN becomes the quiet NaN of its sign (0x7fc0 / 0xffc0,
+       as ml_dtypes gives; truncating a NaN whose payload sits in the low bits would make an infinity).
+       Branch-free, so loops calling it vectorise. */
+    static inline uint32_t dg_bf16_round_bits(float x) {
+        uint32_t u;
+        memcpy(&u, &x, 4);
+        uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        uint32_t nan = (u & 0x80000000u) | 0x7fc00000u;
+        return (u & 0x7fffffffu) > 0x7f800000u ? nan : r;
+    }
+
+    static inline float dg_bf16(float x) {
+        uint32_t r = dg_bf16_round_bits(x);
+        float y;
+        memcpy(&y, &r, 4);
+        return y;
+    }
+
+    /* x = bf16(x), in place */
+    DG_CLONES static void dg_round_row(float *x, Py_ssize_t n) {
+        for (Py_ssize_t i = 0; i < n; i++) x[i] = dg_bf16(x[i]);
+    }
+
+    /* out = the bfloat16 bit patterns of bf16(x / temp) (of bf16(x) when scaled is 0) */
+    DG_CLONES static void dg_bf16_bits_row(const float *x, float temp, int scaled, Py_ssize_t n, uint16_t *out) {
+        if (scaled) { for (Py_ssize_t i = 0; i < n; i++) out[i] = (uint16_t)(dg_bf16_round_bits(x[i] / temp) >> 16); }
+        else        { for (Py_ssize_t i = 0; i < n; i++) out[i] = (uint16_t)(dg_bf16_round_bits(x[i]) >> 16); }
+    }
+
+    /* bfloat16 rotate-half RoPE in place: the two products and their sum each rounded (apply_rope); the
+       reference's bf16(-b * s) is -bf16(b * s), so the first half is a difference of rounded products */
+    DG_CLONES static void dg_rope_row_bf16(float *x, const float *c, const float *s, Py_ssize_t half) {
+        for (Py_ssize_t j = 0; j < half; j++) {
+            float a = x[j], b = x[j + half];
+            x[j] = dg_bf16(dg_bf16(a * c[j]) - dg_bf16(b * s[j]));
+            x[j + half] = dg_bf16(dg_bf16(b * c[j]) + dg_bf16(a * s[j]));
+        }
+    }
+
+    /* bfloat16 gated GELU: bf16(bf16(gelu(g)) * u) */
+    DG_CLONES static void dg_gelu_gate_row_bf16(const float *g, const float *u, Py_ssize_t n, float *out) {
+        for (Py_ssize_t i = 0; i < n; i++) out[i] = dg_bf16(dg_bf16(dg_gelu(g[i])) * u[i]);
+    }
+
+    /* bfloat16 residual: h = bf16(bf16(h + bf16((y * factor) * w)) * scalar) (the norm's output, the sum and
+       the scaled stream each rounded); returns 1 if any new h value is NaN or infinite */
+    DG_CLONES static int dg_residual_row_bf16(float *h, const float *y, float factor, const float *w, float scalar,
+                                              Py_ssize_t n) {
+        int bad = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float v = dg_bf16(dg_bf16(h[i] + dg_bf16((y[i] * factor) * w[i])) * scalar);
+            h[i] = v;
+            bad |= !(v - v == 0.0f);
+        }
+        return bad;
+    }
+
+    /* bfloat16 a = bf16(bf16((a * fa) * wa) + bf16((b * fb) * wb)), in place in a */
+    DG_CLONES static void dg_add_normed_rows_bf16(float *a, float fa, const float *wa, const float *b, float fb,
+                                                  const float *wb, Py_ssize_t n) {
+        for (Py_ssize_t i = 0; i < n; i++) a[i] = dg_bf16(dg_bf16((a[i] * fa) * wa[i]) + dg_bf16((b[i] * fb) * wb[i]));
+    }
+
     /* sum of squares of x in float64 (four interleaved lanes) */
     static inline double dg_sumsq(const float *x, Py_ssize_t n) {
         double acc[4] = {0, 0, 0, 0};
@@ -247,8 +315,9 @@ cdef extern from *:
        (window <= 0 or kpos[t] > qp - window). Hidden keys get weight 0; a row with no visible key
        becomes all zeros (the reference's zero output for such a query). */
     DG_CLONES static void dg_masked_softmax_row(float *s, Py_ssize_t T, const int64_t *kpos, const uint8_t *kreal,
-                                                int64_t qp, int64_t window, int causal) {
+                                                int64_t qp, int64_t window, int causal, int bf16) {
         int nan = 0;
+        if (bf16) dg_round_row(s, T);   /* bfloat16 run: the scores are rounded before the float32 softmax */
         for (Py_ssize_t t = 0; t < T; t++) {
             int vis = kreal[t] && kpos[t] >= 0 && (!causal || kpos[t] <= qp) && (window <= 0 || kpos[t] > qp - window);
             nan |= vis & (s[t] != s[t]);
@@ -265,6 +334,7 @@ cdef extern from *:
         }
         float total = (float)dg_exp_shift_row(s, m, T, s);
         dg_div_row(s, total, T);
+        if (bf16) dg_round_row(s, T);   /* and its weights before the product with V */
     }
 
     /* ---------------------------------------------------------------------------------- sampling
@@ -468,7 +538,15 @@ cdef extern from *:
     void dg_div_row(float *x, float d, Py_ssize_t n) nogil
     void dg_axpy(float *y, float a, const float *x, Py_ssize_t n) nogil
     void dg_masked_softmax_row(float *s, Py_ssize_t T, const int64_t *kpos, const uint8_t *kreal, int64_t qp,
-                               int64_t window, int causal) nogil
+                               int64_t window, int causal, int bf16) nogil
+    float dg_bf16(float x) nogil
+    void dg_round_row(float *x, Py_ssize_t n) nogil
+    void dg_bf16_bits_row(const float *x, float temp, int scaled, Py_ssize_t n, uint16_t *out) nogil
+    void dg_rope_row_bf16(float *x, const float *c, const float *s, Py_ssize_t half) nogil
+    void dg_gelu_gate_row_bf16(const float *g, const float *u, Py_ssize_t n, float *out) nogil
+    int dg_residual_row_bf16(float *h, const float *y, float factor, const float *w, float scalar, Py_ssize_t n) nogil
+    void dg_add_normed_rows_bf16(float *a, float fa, const float *wa, const float *b, float fb, const float *wb,
+                                 Py_ssize_t n) nogil
     int DG_BLOCK
     void dg_row_pass1(const float *z, Py_ssize_t V, float temp, int scaled, float *out, float *mb, float *m_out,
                       int64_t *arg_out, double *S_out, double *A_out, int *flags_out) nogil
@@ -811,7 +889,8 @@ def panel_matmul(const float[:, ::1] x, panels, Py_ssize_t N, float[:, ::1] out,
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels, down_panels, Py_ssize_t I,
-               float[:, ::1] gate_up, float[:, ::1] act, float[:, ::1] y, gate_up_scales=None, down_scales=None):
+               float[:, ::1] gate_up, float[:, ::1] act, float[:, ::1] y, gate_up_scales=None, down_scales=None,
+               bint bf16=False):
     """Every expert's gated MLP on its block of rows, on packed weights, experts in parallel.
 
     x: (R, H) rows grouped by expert (expert e owns [offsets[e], offsets[e+1])). Weights as panels
@@ -820,7 +899,9 @@ def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels
     ``*_scales`` (E, P, K/32, 32) float32. Buffers gate_up (R, 2I), act (R, I); y (R, H) gets ``(gelu_tanh(x G^T) * (x U^T)) D^T``.
     No BLAS involved: one task per expert (dynamic schedule), each output computed by one thread in a fixed
     order, so the result does not depend on the thread count. Raises ValueError for inconsistent shapes
-    or offsets that are not ascending within [0, R].
+    or offsets that are not ascending within [0, R]. ``bf16``: the bfloat16 run (SPEC §10.1 B3, B6) rounds
+    the gate/up products, the GELU, its product with up, and the down product (each expert's output is
+    bfloat16); the products still accumulate in float32.
     """
     cdef Py_ssize_t R = x.shape[0], H = x.shape[1], e, r, n, a0, E
     cdef bint q8 = gate_up_scales is not None
@@ -889,13 +970,49 @@ def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels
                                 gqp + e * gu_size if q8 else NULL, gsp + e * gu_scale_size if q8 else NULL,
                                 gbp + e * gu_size if bf else NULL, 2 * I, H, &gate_up[a0, 0], 2 * I)
                 for r in range(a0, a0 + n):
-                    dg_gelu_gate_row(&gate_up[r, 0], &gate_up[r, I], I, &act[r, 0])
+                    if bf16:
+                        dg_round_row(&gate_up[r, 0], 2 * I)
+                        dg_gelu_gate_row_bf16(&gate_up[r, 0], &gate_up[r, I], I, &act[r, 0])
+                    else:
+                        dg_gelu_gate_row(&gate_up[r, 0], &gate_up[r, I], I, &act[r, 0])
                 dg_panel_matmul(tile, &act[a0, 0], I, n, dfp + e * down_size if dfp != NULL else NULL,
                                 dqp + e * down_size if q8 else NULL, dsp + e * down_scale_size if q8 else NULL,
                                 dbp + e * down_size if bf else NULL, H, I, &y[a0, 0], H)
+                if bf16:
+                    for r in range(a0, a0 + n):
+                        dg_round_row(&y[r, 0], H)
 
 
 # ============================================================================================ elementwise
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def round_bf16(float[:, ::1] x):
+    """Round every value of x (N, D) float32 to bfloat16 in place, kept as float32 (exact).
+
+    ``reference.primitives.round_to(x, BFLOAT16)`` bit for bit: nearest, ties to even, overflow to +-inf,
+    infinities kept, a NaN the quiet NaN of its sign (``dg_bf16``). The bfloat16 run's rounding of a
+    product's float32 accumulation (SPEC §10.1 B3) and of the other results no kernel fuses.
+    """
+    cdef Py_ssize_t N = x.shape[0], D = x.shape[1], i
+    for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, D)):
+        dg_round_row(&x[i, 0], D)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def bf16_bits_of(const float[:, ::1] x, float temperature, uint16_t[:, ::1] out):
+    """``out`` = the bit patterns of ``bf16(x / temperature)`` (of ``bf16(x)`` when temperature is 0): the
+    bfloat16 run's self-conditioning input, the processed logits cast to the embedding dtype (SPEC §10.1
+    B8), kept at 2 bytes a value. x: (N, V) float32, out: (N, V) uint16 (view them as ``ml_dtypes.bfloat16``).
+    """
+    cdef Py_ssize_t N = x.shape[0], V = x.shape[1], i
+    cdef bint scaled = temperature > 0
+    if out.shape[0] != N or out.shape[1] != V:
+        raise ValueError(f"bf16_bits_of: out must have shape ({N}, {V})")
+    for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 2 * V)):
+        dg_bf16_bits_row(&x[i, 0], temperature, scaled, V, &out[i, 0])
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def vector_exp(const float[::1] x, float[::1] out):
@@ -916,11 +1033,12 @@ def vector_tanh(const float[::1] x, float[::1] out):
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def rms_norm(const float[:, ::1] x, const float[::1] weight, float eps, float[:, ::1] out):
+def rms_norm(const float[:, ::1] x, const float[::1] weight, float eps, float[:, ::1] out, bint bf16=False):
     """RMSNorm of each row: ``out = x * (mean(x**2) + eps) ** -0.5 [* weight]``. out may be x.
 
     x, out: (N, D) float32; weight: (D,) float32 or None (weightless norm).
-    Replaces ``reference.primitives.rms_norm`` (mean of squares accumulated in float64).
+    Replaces ``reference.primitives.rms_norm`` (mean of squares accumulated in float64). ``bf16``: the
+    output is rounded to bfloat16 (SPEC §10.1 B2).
     """
     cdef Py_ssize_t N = x.shape[0], D = x.shape[1], i
     cdef const float *w = _opt(weight)
@@ -928,35 +1046,43 @@ def rms_norm(const float[:, ::1] x, const float[::1] weight, float eps, float[:,
     for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 2 * D)):
         f = dg_rms_factor(&x[i, 0], D, eps)
         dg_scale_row(&x[i, 0], f, w, D, &out[i, 0])
+        if bf16:
+            dg_round_row(&out[i, 0], D)
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def residual_norm_add(float[:, ::1] h, const float[:, ::1] y, const float[::1] weight, float eps, float scalar):
+def residual_norm_add(float[:, ::1] h, const float[:, ::1] y, const float[::1] weight, float eps, float scalar,
+                      bint bf16=False):
     """Fused residual update ``h = (h + rms_norm(y, weight)) * scalar``, in place.
 
     h, y: (N, H) float32; weight: (H,). ``scalar`` = 1 after attention (SPEC §4.1 step 8); the layer
-    scalar is folded into the feed-forward residual instead (``feed_forward_residual``).
+    scalar is folded into the feed-forward residual instead (``feed_forward_residual``). ``bf16``: the
+    norm's output, the sum and the scaled stream are each rounded to bfloat16 (SPEC §10.1 B2, B7).
     """
     cdef Py_ssize_t N = h.shape[0], D = h.shape[1], i
     cdef float f
     for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 2 * D)):
         f = dg_rms_factor(&y[i, 0], D, eps)
-        dg_residual_row(&h[i, 0], &y[i, 0], f, &weight[0], scalar, D)
+        if bf16:
+            dg_residual_row_bf16(&h[i, 0], &y[i, 0], f, &weight[0], scalar, D)
+        else:
+            dg_residual_row(&h[i, 0], &y[i, 0], f, &weight[0], scalar, D)
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def feed_forward_residual(float[:, ::1] h, float[:, ::1] dense, const float[:, ::1] moe,
                           const float[::1] w_dense, const float[::1] w_moe, const float[::1] w_out,
-                          float eps, float scalar):
+                          float eps, float scalar, bint bf16=False):
     """End of a block: ``h = (h + norm_out(norm_dense(dense) + norm_moe(moe))) * scalar`` in place.
 
     h, dense, moe: (N, H) float32 (``dense`` is overwritten with the sum of the two normed branches).
     Replaces the tail of ``reference.layers.feed_forward`` plus the residual add and the layer scalar of
     ``Model._block_tail`` (SPEC §4.2 steps 9-13).
     Returns the number of rows of the new ``h`` holding a NaN or an infinity (0 normally): the block's
-    output check, fused into the write so that it costs no extra pass.
+    output check, fused into the write so that it costs no extra pass. ``bf16``: the bfloat16 run rounds
+    both branch norms, their sum, the output norm, the residual sum and the scaled stream (SPEC §10.1 B7).
     """
     cdef Py_ssize_t N = h.shape[0], D = h.shape[1], i
     cdef float fa, fb, f
@@ -968,38 +1094,51 @@ def feed_forward_residual(float[:, ::1] h, float[:, ::1] dense, const float[:, :
     for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 5 * D)):
         fa = dg_rms_factor(&dense[i, 0], D, eps)
         fb = dg_rms_factor(&moe[i, 0], D, eps)
-        dg_add_normed_rows(&dense[i, 0], fa, &w_dense[0], &moe[i, 0], fb, &w_moe[0], D)
-        f = dg_rms_factor(&dense[i, 0], D, eps)
-        bad += dg_residual_row_flag(&h[i, 0], &dense[i, 0], f, &w_out[0], scalar, D)
+        if bf16:
+            dg_add_normed_rows_bf16(&dense[i, 0], fa, &w_dense[0], &moe[i, 0], fb, &w_moe[0], D)
+            f = dg_rms_factor(&dense[i, 0], D, eps)
+            bad += dg_residual_row_bf16(&h[i, 0], &dense[i, 0], f, &w_out[0], scalar, D)
+        else:
+            dg_add_normed_rows(&dense[i, 0], fa, &w_dense[0], &moe[i, 0], fb, &w_moe[0], D)
+            f = dg_rms_factor(&dense[i, 0], D, eps)
+            bad += dg_residual_row_flag(&h[i, 0], &dense[i, 0], f, &w_out[0], scalar, D)
     return bad
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def gelu_gate(const float[:, ::1] gate_up, float[:, ::1] out):
+def gelu_gate(const float[:, ::1] gate_up, float[:, ::1] out, bint bf16=False):
     """``out = gelu_tanh(gate) * up`` where ``gate_up = [gate | up]`` along the last axis.
 
     gate_up: (N, 2I) float32, out: (N, I). Replaces ``gelu_tanh(x @ G.T) * (x @ U.T)`` of
     ``reference.primitives.gated_mlp`` and the expert activation of ``reference.layers.experts``.
+    ``bf16``: the GELU and the product are each rounded to bfloat16 (SPEC §10.1 B3).
     """
     cdef Py_ssize_t N = out.shape[0], I = out.shape[1], i
     if gate_up.shape[1] != 2 * I or gate_up.shape[0] != N:
         raise ValueError(f"gate_up has shape {tuple(gate_up.shape)[:2]}, expected ({N}, {2 * I})")
     for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 20 * I)):
-        dg_gelu_gate_row(&gate_up[i, 0], &gate_up[i, I], I, &out[i, 0])
+        if bf16:
+            dg_gelu_gate_row_bf16(&gate_up[i, 0], &gate_up[i, I], I, &out[i, 0])
+        else:
+            dg_gelu_gate_row(&gate_up[i, 0], &gate_up[i, I], I, &out[i, 0])
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def softcap(float[:, ::1] x, float cap):
+def softcap(float[:, ::1] x, float cap, bint bf16=False):
     """Final logit soft-cap in place: ``x = cap * tanh(x / cap)``. x: (N, V) float32.
 
     Replaces ``reference.primitives.softcap``. Returns the number of rows whose input held a NaN or an
     infinity (0 normally; the cap would turn an infinity into +-cap, so callers must look at this).
+    ``bf16``: x is first rounded to bfloat16 (the bfloat16 run's output projection, SPEC §10.1 B9; the
+    check then sees the rounded values, as the reference's does).
     """
     cdef Py_ssize_t N = x.shape[0], V = x.shape[1], i
     cdef Py_ssize_t bad = 0
     for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 20 * V)):
+        if bf16:
+            dg_round_row(&x[i, 0], V)
         bad += dg_softcap_row(&x[i, 0], cap, V)
     return bad
 
@@ -1034,13 +1173,15 @@ def softmax(const float[:, ::1] x, float[:, ::1] out):
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def embed(const int64_t[::1] ids, const float[:, ::1] table, float scale, const float[:, ::1] add,
-          bint normalize, float eps, float[:, ::1] out):
+          bint normalize, float eps, float[:, ::1] out, bint bf16=False):
     """Scaled embedding lookup, optionally plus a signal and a weightless RMSNorm.
 
     ids: (N,) int64 in [0, V) (checked by the caller); table: (V, H); add: (N, H) or None.
     ``out = table[ids] * scale``, then ``out += add`` if given, then ``out = rms_norm(out)`` if
     ``normalize``. Replaces ``reference.primitives.embed`` (encoder input) and the canvas input
-    ``rms_norm(embed(x) + signal)`` of ``Model.canvas_input`` (SPEC §7.1 step 4).
+    ``rms_norm(embed(x) + signal)`` of ``Model.canvas_input`` (SPEC §7.1 step 4). ``bf16``: the product,
+    the sum and the norm are each rounded to bfloat16 (SPEC §10.1 B1, B8; the caller passes the scale
+    already rounded, as upstream casts it to the weight dtype).
     """
     cdef Py_ssize_t N = ids.shape[0], H = table.shape[1], V = table.shape[0], i, k
     cdef float f
@@ -1053,12 +1194,18 @@ def embed(const int64_t[::1] ids, const float[:, ::1] table, float scale, const 
     for i in prange(N, nogil=True, schedule="guided", num_threads=_threads(N, 3 * H)):
         for k in range(H):
             out[i, k] = table[ids[i], k] * scale
+        if bf16:
+            dg_round_row(&out[i, 0], H)
         if has_add:
             for k in range(H):
                 out[i, k] = out[i, k] + add[i, k]
+            if bf16:
+                dg_round_row(&out[i, 0], H)
         if normalize:
             f = dg_rms_factor(&out[i, 0], H, eps)
             dg_scale_row(&out[i, 0], f, NULL, H, &out[i, 0])
+            if bf16:
+                dg_round_row(&out[i, 0], H)
 
 
 # ============================================================================================ attention
@@ -1067,7 +1214,7 @@ def embed(const int64_t[::1] ids, const float[:, ::1] table, float scale, const 
 def heads(const float[:, :, ::1] proj, Py_ssize_t n_heads, Py_ssize_t n_kv, Py_ssize_t d, bint has_v,
           const float[::1] q_norm, const float[::1] k_norm, float eps,
           const float[:, ::1] cos, const float[:, ::1] sin,
-          float[:, :, :, ::1] q_out, float[:, :, :, :] k_out, float[:, :, :, :] v_out):
+          float[:, :, :, ::1] q_out, float[:, :, :, :] k_out, float[:, :, :, :] v_out, bint bf16=False):
     """Split a fused q/k/v projection into normalised, rotated heads.
 
     proj: (N, S, n_h*d + g*d [+ g*d]) float32: ``x @ [Wq; Wk; Wv].T`` (the Wv block only when has_v).
@@ -1076,7 +1223,9 @@ def heads(const float[:, :, ::1] proj, Py_ssize_t n_heads, Py_ssize_t n_kv, Py_s
     v_out (N, g, S, d) = weightless norm of v_raw, or of the *raw* keys k_raw when there is no v
     projection (full-attention layers; trap T3). k_out / v_out may be strided views (e.g. cache slots)
     with a contiguous last axis.
-    Replaces ``reference.layers.project_qkv`` after its matrix products.
+    Replaces ``reference.layers.project_qkv`` after its matrix products. ``bf16``: the bfloat16 run
+    (SPEC §10.1 B2, B4): every norm's output is rounded, and each rotation's two products and their sum
+    are rounded; cos and sin must then be the rounded tables.
     """
     cdef Py_ssize_t N = proj.shape[0], S = proj.shape[1], half = d // 2
     cdef Py_ssize_t qw = n_heads * d, kw = n_kv * d
@@ -1103,23 +1252,33 @@ def heads(const float[:, :, ::1] proj, Py_ssize_t n_heads, Py_ssize_t n_kv, Py_s
             dst = &q_out[n, s, h, 0]
             f = dg_rms_factor(src, d, eps)
             dg_scale_row(src, f, &q_norm[0], d, dst)
-            dg_rope_row(dst, &cos[s, 0], &sin[s, 0], half)
+            if bf16:
+                dg_round_row(dst, d)
+                dg_rope_row_bf16(dst, &cos[s, 0], &sin[s, 0], half)
+            else:
+                dg_rope_row(dst, &cos[s, 0], &sin[s, 0], half)
         for h in range(n_kv):
             # values first: on full layers they are the raw keys, before k_norm and RoPE
             src = &proj[n, s, qw + kw + h * d] if has_v else &proj[n, s, qw + h * d]
             f = dg_rms_factor(src, d, eps)
             dg_scale_row(src, f, NULL, d, &v_out[n, h, s, 0])
+            if bf16:
+                dg_round_row(&v_out[n, h, s, 0], d)
             src = &proj[n, s, qw + h * d]
             dst = &k_out[n, h, s, 0]
             f = dg_rms_factor(src, d, eps)
             dg_scale_row(src, f, &k_norm[0], d, dst)
-            dg_rope_row(dst, &cos[s, 0], &sin[s, 0], half)
+            if bf16:
+                dg_round_row(dst, d)
+                dg_rope_row_bf16(dst, &cos[s, 0], &sin[s, 0], half)
+            else:
+                dg_rope_row(dst, &cos[s, 0], &sin[s, 0], half)
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def masked_softmax(float[:, ::1] scores, const int64_t[::1] q_pos, const int64_t[::1] key_pos,
-                   const uint8_t[::1] key_real, Py_ssize_t window, bint causal):
+                   const uint8_t[::1] key_real, Py_ssize_t window, bint causal, bint bf16=False):
     """Attention weights in place: a masked float32 softmax of every row of ``scores``.
 
     scores: (R, T) float32 raw scores q.k (scale 1); row i belongs to the query at position
@@ -1128,7 +1287,8 @@ def masked_softmax(float[:, ::1] scores, const int64_t[::1] q_pos, const int64_t
     Key t is visible from query position p iff it is real, ``(not causal or pos <= p)`` and
     ``(window <= 0 or pos > p - window)``. Hidden keys get weight exactly 0 and a row with no visible
     key is all zeros. Replaces the masking and softmax of ``reference.layers.attend`` with the visibility
-    rules of ``reference.masks``.
+    rules of ``reference.masks``. ``bf16``: the bfloat16 run (SPEC §10.1 B5): the scores are rounded to
+    bfloat16 first and the float32 weights are rounded after the division.
     """
     cdef Py_ssize_t R = scores.shape[0], T = scores.shape[1], S = q_pos.shape[0], i
     if key_pos.shape[0] != T or key_real.shape[0] != T:
@@ -1138,7 +1298,7 @@ def masked_softmax(float[:, ::1] scores, const int64_t[::1] q_pos, const int64_t
     if T == 0:
         return
     for i in prange(R, nogil=True, schedule="guided", num_threads=_threads(R, 12 * T)):
-        dg_masked_softmax_row(&scores[i, 0], T, &key_pos[0], &key_real[0], q_pos[i % S], window, causal)
+        dg_masked_softmax_row(&scores[i, 0], T, &key_pos[0], &key_real[0], q_pos[i % S], window, causal, bf16)
 
 
 # ============================================================================================ experts
@@ -1248,12 +1408,15 @@ def gather_rows(const float[:, ::1] src, const int64_t[::1] rows, float[:, ::1] 
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def combine_experts(const float[:, ::1] expert_out, const int64_t[:, ::1] indices,
-                    const int64_t[:, ::1] position, const float[:, ::1] weights, float[:, ::1] out):
+                    const int64_t[:, ::1] position, const float[:, ::1] weights, float[:, ::1] out,
+                    bint bf16=False):
     """Weighted sum of each token's expert outputs, in ascending expert order.
 
     expert_out: (M, H) grouped expert outputs; indices, position, weights: (N, K); out: (N, H).
     ``out[i] = sum over the token's experts e (ascending) of expert_out[row] * weight``, each product
     rounded to float32 before it is added, as ``numpy.add.at`` does in ``reference.layers.experts``.
+    ``bf16``: the float32 sum is rounded once to bfloat16 (SPEC §10.1 B6, transformers' default
+    ``grouped_mm`` experts).
     """
     cdef Py_ssize_t N = out.shape[0], H = out.shape[1], K = indices.shape[1], i, k, t, j, c
     cdef int64_t prev, e_t, e_j
@@ -1279,6 +1442,8 @@ def combine_experts(const float[:, ::1] expert_out, const int64_t[:, ::1] indice
                     k = j
             prev = e_t
             dg_axpy(&out[i, 0], weights[i, k], &expert_out[position[i, k], 0], H)
+        if bf16:
+            dg_round_row(&out[i, 0], H)
 
 
 # ============================================================================================ sampling

@@ -14,7 +14,8 @@ are processed in chunks so that the score buffer stays bounded, and for causal s
 each chunk only touches the keys its queries can see, so a long prompt costs O(S * W), not O(S^2).
 
 Same math as ``reference.layers.attend`` with the visibility of ``reference.masks`` (scale 1.0, float32
-softmax, a query that sees no key gets zeros); sums run in BLAS order.
+softmax, a query that sees no key gets zeros); sums run in BLAS order. A bfloat16 model (``model.bf16``)
+rounds the scores and the weights inside ``masked_softmax``; its caller rounds ``out`` (SPEC §10.1 B5).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def attend(model, q: np.ndarray, q_pos: np.ndarray, cache_k: np.ndarray, cache_v
     causal: key visible only if pos <= p. out: (N, S, n_h * d) float32, heads concatenated in order.
     """
     xp, ops, ws = model.xp, model.ops, model.workspace
+    bf16 = bool(getattr(model, "bf16", False))  # the bfloat16 run: scores and weights rounded (the caller rounds out)
     N, S, n_h, d = q.shape
     g = cache_k.shape[1]
     r = n_h // g
@@ -67,7 +69,7 @@ def attend(model, q: np.ndarray, q_pos: np.ndarray, cache_k: np.ndarray, cache_v
                     xp.matmul(qj, cache_k[row, j, :c_hi].T, out=scores[:, :, :c_hi])
                 if hi > lo:
                     xp.matmul(qj, new_k[n, j, lo:hi].T, out=scores[:, :, c_hi:])
-                ops.masked_softmax(scores.reshape(-1, T), q_pos[s0:s1], key_pos, key_real, window, causal)
+                ops.masked_softmax(scores.reshape(-1, T), q_pos[s0:s1], key_pos, key_real, window, causal, bf16)
                 oj = heads[n, s0:s1, j].transpose(1, 0, 2)  # (r, s, d) view into out
                 if c_hi:
                     xp.matmul(scores[:, :, :c_hi], cache_v[row, j, :c_hi], out=oj)

@@ -13,7 +13,11 @@ random-draw contract. What differs is only how a step is computed:
 * rows that finished denoising are not decoded again (the reference runs them and discards the result);
   the loop freezes what they report;
 * acceptance and renoising are the reference's (``generate.HostAcceptance``); a replaced ``denoiser`` runs
-  on the reference's step (``fast.Model.denoising_backend``).
+  on the reference's step (``fast.Model.denoising_backend``);
+* a bfloat16 model (``fast.Model(dtype="bfloat16")``) self-conditions on the processed logits cast to
+  bfloat16, as upstream's ``generate`` does (SPEC §10.1 B8), not on the float32 probabilities the sampling
+  pass leaves: each step keeps those logits' bfloat16 bits (a (B, C, V) uint16 buffer, half the logits'
+  bytes) before the pass, and the next step widens and softmaxes them into the shared buffer.
 
 With the same seeded source, fast and reference produce the same tokens unless a decision of the
 reference falls within float32 rounding of a tie (see ``fast.sampling``).
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from diffusiongemma.reference.draws import DrawSource
+from diffusiongemma.reference.primitives import BFLOAT16
 from diffusiongemma.reference.generate import HostAcceptance, StepOutput
 from diffusiongemma.reference.stages import TRANSFORMERS
 from diffusiongemma.reference.support.observer import NULL_OBSERVER, Observer
@@ -52,7 +57,9 @@ class CpuBackend(HostAcceptance):
         # canvas, after the loop's size checks (``check_budget``) have accepted the run
         self.buffer: np.ndarray | None = None
         self.cache: Any = None
-        self.has_sc = False  # the buffer holds self-conditioning probabilities
+        self.has_sc = False  # the buffer holds self-conditioning probabilities (bfloat16 run: sc_bits holds its input)
+        self.bf16 = bool(getattr(model, "bf16", False))
+        self.sc_bits: np.ndarray | None = None  # bfloat16 run: (B, C, V) uint16, bf16(processed logits)
 
     def context(self) -> Any:
         """The run keeps the BLAS library on one thread throughout (``fast.blas.CpuArrays.serial_blas``): the
@@ -66,14 +73,27 @@ class CpuBackend(HostAcceptance):
         self.cache, self.has_sc = cache, False
         if self.buffer is None:
             self.buffer = np.empty((B, C, V), dtype=np.float32)
-        if sc_logits is not None:  # user SC logits (first canvas): their softmax
-            self.model.ops.softmax(sc_logits.reshape(B * C, V), self.buffer.reshape(B * C, V))
+        if self.bf16 and self.sc_bits is None:
+            self.sc_bits = np.empty((B, C, V), dtype=np.uint16)
+        if sc_logits is not None:  # user SC logits (first canvas): their softmax (bfloat16 run: their bits)
+            if self.bf16:
+                self.model.ops.bf16_bits_of(np.ascontiguousarray(sc_logits, dtype=np.float32).reshape(B * C, V),
+                                            0.0, self.sc_bits.reshape(B * C, V))
+            else:
+                self.model.ops.softmax(sc_logits.reshape(B * C, V), self.buffer.reshape(B * C, V))
             self.has_sc = True
 
     def step(self, canvas: np.ndarray, finished: np.ndarray, temp: np.float32 | None) -> StepOutput:
         B, C, V = self.B, self.C, self.V
         live = np.flatnonzero(~finished)  # rows to decode and sample this step
+        if self.bf16 and self.has_sc:  # B8: softmax of the bfloat16 processed logits, in float32
+            for row in live:
+                np.copyto(self.buffer[row], self.sc_bits[row].view(BFLOAT16))
+                self.model.ops.softmax(self.buffer[row], self.buffer[row])
         self.model.decode_rows(canvas[live], live, self.cache, self.buffer if self.has_sc else None, self.buffer)
+        if self.bf16:  # the next step's input: this step's logits / temperature, cast to bfloat16
+            for row in live:
+                self.model.ops.bf16_bits_of(self.buffer[row], 0.0 if temp is None else float(temp), self.sc_bits[row])
         if self.observer.records:  # a copy of the live rows, only for an observer that keeps it
             self.observer.logits(self.buffer[live], rows=live)
         uniforms = self.draws.categorical_uniforms(B, C)  # (B, C) float64, or None: the source needs probs

@@ -108,8 +108,9 @@ class ExpertPanels:
                    if a is not None)
 
     def __call__(self, grouped: np.ndarray, offsets: np.ndarray, gate_up: np.ndarray, act: np.ndarray,
-                 y: np.ndarray) -> None:
+                 y: np.ndarray, bf16: bool = False) -> None:
         """Every expert's gated MLP on its block of ``grouped`` rows (R, H) (``offsets``: (E + 1,)), into
-        y (R, H); gate_up (R, 2I) and act (R, I) are work buffers (``_kernels.expert_ffn``)."""
+        y (R, H); gate_up (R, 2I) and act (R, I) are work buffers (``_kernels.expert_ffn``). ``bf16``: the
+        bfloat16 run's roundings (SPEC §10.1 B3, B6)."""
         _kernels.expert_ffn(grouped, offsets, self.gate_up, self.down, self.moe_intermediate_size,
-                            gate_up, act, y, self.gate_up_scales, self.down_scales)
+                            gate_up, act, y, self.gate_up_scales, self.down_scales, bf16)

@@ -20,6 +20,13 @@ summation order (see ``fast/_kernels.pyx`` for where the numbers can differ, and
   same array before the logits overwrite it, so a denoising step allocates nothing proportional to the
   vocabulary or to the cache once the workspace has warmed up.
 
+``Model(..., dtype="bfloat16")`` is upstream's bfloat16 run, as ``reference.model.Model(..., dtype="bfloat16")``
+defines it (SPEC §10.1 B1-B9): every weight is rounded to bfloat16 on load (the matrices and the experts then
+held as bfloat16, the products widening them piece by piece and accumulating in float32), and ``CpuOps``
+with ``bf16`` set rounds each result where the reference's ``round_to`` does: after each product, inside the
+fused kernels through their ``bf16`` flags (norms, RoPE, GELU and its product, the attention scores and
+weights, the experts, the residual tail, the embedding), and on the logits before the float32 soft-cap.
+
 Array-module note: the block's order (norms, attention with the KV cache, dense MLP, router and experts,
 the fused tail) is ``fast.block``'s, shared with the GPU model; ``CpuOps`` below gives it this model's
 matrix products (``self.xp``, NumPy here) and compiled kernels (``self.ops``), and ``_CpuKeys`` the
@@ -43,7 +50,7 @@ from diffusiongemma.reference.support.errors import ConfigError, InputError
 from diffusiongemma.reference.support.checks import check_pass_memory, check_positions
 from diffusiongemma.reference.support.diagnosis import non_finite_error
 from diffusiongemma.reference.support.observer import NULL_OBSERVER
-from diffusiongemma.reference.primitives import rope_inverse_frequencies
+from diffusiongemma.reference.primitives import BFLOAT16, compute_dtype, rope_inverse_frequencies
 from diffusiongemma.reference.support.checkpoint_io import check_tensors, load_checkpoint
 from diffusiongemma.reference.support.quantized import is_bfloat16, widen
 
@@ -120,19 +127,28 @@ class Model:
     Build it with ``Model.from_pretrained(path, device="cpu")`` or ``Model(config, tensors)`` where
     ``tensors`` maps the project's tensor names (``reference.weights``) to arrays (widened to float32),
     or, for the experts' two tensors of a layer, to ``Q8_0Tensor`` (kept quantized, ``fast.experts``).
+    ``dtype``: "float32" (default) or "bfloat16", the reference's ``Model(dtype=...)`` (module notes);
+    ``self.dtype`` is the NumPy dtype (``reference.primitives.FLOAT32`` / ``BFLOAT16``).
     Raises ``CheckpointError`` for missing/unknown/misshapen tensors and ``ConfigError`` for an
-    unsupported device.
+    unsupported device or dtype.
     """
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], device: str = "cpu",
-                 release_tensors: bool = False, keep_bf16: bool = True):
+                 release_tensors: bool = False, keep_bf16: bool = True, dtype: str | np.dtype = "float32"):
         """``release_tensors``: ``tensors`` is a dict this model may empty as it repacks (``from_pretrained``
         passes its own, so that loading never holds the checkpoint's experts and their panels at once).
         ``keep_bf16``: bfloat16 arrays among ``tensors`` stay bfloat16 (the experts, and the matrices of
         ``fast.weights.MATRICES_KEPT_BF16``), products widening them piece by piece: the float32 path's
-        result on the widened weights, bit for bit; False widens them at load."""
+        result on the widened weights, bit for bit; False widens them at load. ``dtype="bfloat16"`` rounds
+        every tensor to bfloat16 first (Q8_0 experts dequantized, then rounded), so that with ``keep_bf16``
+        those matrices and the experts are held bfloat16 whatever the checkpoint stores."""
         self.device = check_device(device)
+        self.dtype = compute_dtype(dtype)
+        self.bf16 = self.dtype == BFLOAT16  # the bfloat16 run: CpuOps rounds where the reference's round_to does
         check_tensors(tensors, config)
+        if self.bf16:
+            tensors = _rounded_to_bf16(tensors, keep_bf16, release_tensors)
+            release_tensors = True  # a dict of our own (or the caller's, already given up)
         self.config = config
         self.xp = CPU_ARRAYS  # NumPy with the products on the kernels' tiled BLAS calls (fast.blas)
         self.ops = _kernels
@@ -145,6 +161,8 @@ class Model:
                        for kind, d in zip(config.layer_types, config.layer_head_dim)}
         self._eps = np.float32(config.rms_norm_eps)
         self._embed_scale = np.float32(config.embed_scale)
+        if self.bf16:  # upstream casts the scale to the weight dtype (B1): 53.0 for sqrt(2816) = 53.066
+            self._embed_scale = _round_bf16(self._embed_scale)
         self._router_factor = np.float32(config.hidden_size ** -0.5)
         self._cap = np.float32(config.final_logit_softcapping)
         self._rope_tables: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -154,7 +172,7 @@ class Model:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: str = "cpu", keep_quantized: bool = True,
-                        keep_bf16: bool = True) -> "Model":
+                        keep_bf16: bool = True, dtype: str | np.dtype = "float32") -> "Model":
         """Load a converted checkpoint directory, a transformers checkpoint directory or a GGUF file.
 
         Reading is the reference's (``reference.weights.load_checkpoint``: same formats, same
@@ -166,10 +184,13 @@ class Model:
         dtype bfloat16, a transformers directory of bfloat16 safetensors, a GGUF file's BF16 tensors) stay
         bfloat16 in memory (``Model(keep_bf16=...)``: the
         same results, bit for bit, in half the bytes); False widens them at load.
+        ``dtype``: "float32" (default) or "bfloat16" (the bfloat16 run, ``Model``); a bad value raises
+        ``ConfigError`` before anything is read.
         """
         check_device(device)
+        compute_dtype(dtype)
         config, tensors = load_checkpoint(path, keep_quantized=keep_quantized, keep_bf16=keep_bf16)
-        return cls(config, tensors, device=device, release_tensors=True, keep_bf16=keep_bf16)
+        return cls(config, tensors, device=device, release_tensors=True, keep_bf16=keep_bf16, dtype=dtype)
 
     @property
     def weight_nbytes(self) -> int:
@@ -227,7 +248,7 @@ class Model:
             raise
         cache.end_append(n)
         out = np.empty((B, n, config.hidden_size), dtype=np.float32)
-        ops.rms_norm(h, self.final_norm, self._eps, out.reshape(B * n, -1))
+        ops.rms_norm(h, self.final_norm, self._eps, out.reshape(B * n, -1), self.bf16)
         return out
 
     # ------------------------------------------------------------------ decoder
@@ -259,6 +280,10 @@ class Model:
             raise InputError(f"out must be a C-contiguous float32 array of shape {(B, C, V)}")
         probs = None
         if sc is not None:
+            if self.bf16:  # B8: the processed logits cast to bfloat16 (by upstream's generate), then softmaxed
+                np.copyto(out, sc)
+                self.ops.round_bf16(out.reshape(B * C, V))
+                sc = out
             self.ops.softmax(sc.reshape(B * C, V), out.reshape(B * C, V))  # SC probabilities, in out
             probs = out
         mask = None if self_conditioning_mask is None else np.asarray(self_conditioning_mask, dtype=np.float32)
@@ -297,14 +322,16 @@ class Model:
         if contiguous:
             flat = logits.reshape(M, -1)
             xp.matmul(hn, self.embed_tokens.T, out=flat)
-            bad = ops.softcap(flat, self._cap)
+            bad = ops.softcap(flat, self._cap, self.bf16)  # bfloat16 run: the logits rounded, then capped (B9)
         else:
             for i, row in enumerate(rows):
                 xp.matmul(hn[i * C:(i + 1) * C], self.embed_tokens.T, out=logits[row])
-                bad += ops.softcap(logits[row], self._cap)
+                bad += ops.softcap(logits[row], self._cap, self.bf16)
         if bad:  # the cap turned the infinities into +-c: recompute the raw logits for the message
-            raise self._non_finite("denoise", "the logits before the soft-cap",
-                                   (hn @ self.embed_tokens.T).reshape(N, C, -1), None)
+            raw = np.ascontiguousarray(hn @ self.embed_tokens.T, dtype=np.float32)
+            if self.bf16:
+                ops.round_bf16(raw)
+            raise self._non_finite("denoise", "the logits before the soft-cap", raw.reshape(N, C, -1), None)
 
     # ------------------------------------------------------------------ failure diagnosis
     def _non_finite(self, stage: str, where: str, array: np.ndarray, layer: int | None,
@@ -353,6 +380,9 @@ class Model:
                 self._rope_tables.clear()
             angles = (start + np.arange(n)).astype(np.float32)[:, None] * self._omega[kind]  # (n, d/2)
             tables = (np.ascontiguousarray(np.cos(angles)), np.ascontiguousarray(np.sin(angles)))
+            if self.bf16:  # B4: float32 angles, cos and sin, the tables rounded
+                for table in tables:
+                    self.ops.round_bf16(table)
             self._rope_tables[key] = tables
         return tables
 
@@ -387,33 +417,49 @@ class Model:
 class CpuOps:
     """``fast.block``'s device operations on the CPU: the compiled kernels (``model.ops``) and the tiled BLAS
     (``model.xp``) on the model's ``Workspace``. It reads ``model.xp``, ``model.ops`` and the model's
-    ``_gated_mlp`` / ``_experts`` at each call, so that a profiler may wrap them (``bench_fast.py``)."""
+    ``_gated_mlp`` / ``_experts`` at each call, so that a profiler may wrap them (``bench_fast.py``).
 
-    __slots__ = ("model", "ws", "eps", "router_factor", "embed_scale")
+    ``bf16`` (the model's bfloat16 run): every result is rounded to bfloat16 where
+    ``reference.model.Model(dtype="bfloat16")`` rounds it (SPEC §10.1): each product's float32 output
+    (``matmul``, the soft embedding), the scaled soft embedding, the router input's three steps, and inside
+    the kernels through their ``bf16`` flags. Off, every call is the float32 path's, unchanged."""
+
+    __slots__ = ("model", "ws", "eps", "router_factor", "embed_scale", "bf16")
 
     def __init__(self, model: Model):
         self.model, self.ws = model, model.workspace
         self.eps, self.router_factor, self.embed_scale = model._eps, model._router_factor, model._embed_scale
+        self.bf16 = bool(getattr(model, "bf16", False))
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         return self.ws.get(name, shape, dtype)
 
     def embed(self, ids: np.ndarray, table: np.ndarray, signal, normed: bool, out: np.ndarray) -> None:
-        self.model.ops.embed(ids, table, self.embed_scale, signal, normed, self.eps, out)
+        self.model.ops.embed(ids, table, self.embed_scale, signal, normed, self.eps, out, self.bf16)
 
     def probs_times_embedding(self, probs: np.ndarray, rows: np.ndarray, C: int, table: np.ndarray,
                               out: np.ndarray) -> None:
         """``out = probs[rows] @ table`` (N*C, H): one product when ``rows`` are all of ``probs``'s rows in
-        order, else one per row."""
-        xp, N = self.model.xp, rows.shape[0]
+        order, else one per row. In bfloat16 the probabilities are rounded first, in place (the caller's
+        buffer is consumed by this pass), and the product is rounded (B8)."""
+        xp, ops, N = self.model.xp, self.model.ops, rows.shape[0]
         if probs.shape[0] == N and bool(np.array_equal(rows, np.arange(N))):
-            xp.matmul(probs.reshape(N * C, -1), table, out=out)
+            flat = probs.reshape(N * C, -1)
+            if self.bf16:
+                ops.round_bf16(flat)
+            xp.matmul(flat, table, out=out)
         else:
             for i, row in enumerate(rows):
+                if self.bf16:
+                    ops.round_bf16(probs[row])
                 xp.matmul(probs[row], table, out=out[i * C:(i + 1) * C])
+        if self.bf16:
+            ops.round_bf16(out)
 
     def scale(self, x: np.ndarray, factor) -> None:
         self.model.xp.multiply(x, factor, out=x)
+        if self.bf16:
+            self.model.ops.round_bf16(x)
 
     def mask_rows(self, u: np.ndarray, N: int, C: int, rows: np.ndarray, sc_mask: np.ndarray) -> None:
         """sc_mask: (N,) float32, one factor per decoded row (0 or 1)."""
@@ -431,22 +477,33 @@ class CpuOps:
 
     def matmul(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         self.model.xp.matmul(a, b, out=out)
+        if self.bf16:  # B3: the float32 accumulation rounded once
+            self.model.ops.round_bf16(out)
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
-        self.model.ops.rms_norm(x, weight, self.eps, out)
+        self.model.ops.rms_norm(x, weight, self.eps, out, self.bf16)
 
     def router_input(self, h: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
-        self.model.ops.rms_norm(h, weight, self.eps, out)
-        self.model.xp.multiply(out, self.router_factor, out=out)
+        ops, xp = self.model.ops, self.model.xp
+        if not self.bf16:
+            ops.rms_norm(h, weight, self.eps, out)
+            xp.multiply(out, self.router_factor, out=out)
+            return
+        ops.rms_norm(h, None, self.eps, out, True)  # B6: the weightless norm, the product with the scale and
+        xp.multiply(out, weight, out=out)  # the one with the float32 H**-0.5 are each rounded
+        ops.round_bf16(out)
+        xp.multiply(out, self.router_factor, out=out)
+        ops.round_bf16(out)
 
     def heads(self, proj, N, S, n_h, g, d, has_v, q_norm, k_norm, cos, sin, q, k, v) -> None:
-        self.model.ops.heads(proj.reshape(N, S, -1), n_h, g, d, has_v, q_norm, k_norm, self.eps, cos, sin, q, k, v)
+        self.model.ops.heads(proj.reshape(N, S, -1), n_h, g, d, has_v, q_norm, k_norm, self.eps, cos, sin, q, k, v,
+                             self.bf16)
 
     def residual_norm_add(self, h: np.ndarray, y: np.ndarray, weight: np.ndarray) -> None:
-        self.model.ops.residual_norm_add(h, y, weight, self.eps, _ONE)
+        self.model.ops.residual_norm_add(h, y, weight, self.eps, _ONE, self.bf16)
 
     def gated_gelu(self, gate_up: np.ndarray, out: np.ndarray) -> None:
-        self.model.ops.gelu_gate(gate_up, out)
+        self.model.ops.gelu_gate(gate_up, out, self.bf16)
 
     def route(self, logits, per_expert_scale, indices, weights) -> None:
         self.model.ops.route(logits, per_expert_scale, indices, weights)
@@ -472,17 +529,36 @@ class CpuOps:
         gate_up = ws.get("expert_gate_up", (M * K, 2 * I))
         act = ws.get("expert_act", (M * K, I))
         y = ws.get("expert_y", (M * K, H))
-        w.experts(grouped, offsets, gate_up, act, y)  # every expert in one parallel loop (fast.experts)
+        w.experts(grouped, offsets, gate_up, act, y, self.bf16)  # every expert in one parallel loop (fast.experts)
         moe = ws.get("moe", (M, H))
-        ops.combine_experts(y, indices, position, weights, moe)
+        ops.combine_experts(y, indices, position, weights, moe, self.bf16)
         return moe
 
     def feed_forward_residual(self, h, dense, moe, w: LayerWeights, scalar) -> int:
         return self.model.ops.feed_forward_residual(h, dense, moe, w.post_ffn_norm_1, w.post_ffn_norm_2,
-                                                    w.post_ffn_norm, self.eps, scalar)
+                                                    w.post_ffn_norm, self.eps, scalar, self.bf16)
 
 
 _ONE = np.float32(1.0)
+
+
+def _round_bf16(value: np.float32) -> np.float32:
+    """A float32 scalar rounded to bfloat16 (``reference.primitives.round_to``)."""
+    return np.float32(np.float32(value).astype(BFLOAT16))
+
+
+def _rounded_to_bf16(tensors: Mapping[str, Any], keep_bf16: bool, release: bool) -> dict:
+    """The bfloat16 run's weights (reference ``Model(dtype="bfloat16")``: every tensor rounded to bfloat16 on
+    load): each tensor's float32 values (Q8_0 dequantized) rounded, kept as bfloat16 arrays when ``keep_bf16``
+    (``pack`` then holds the matrices and the experts bfloat16 and widens the rest exactly), else as float32.
+    ``release``: ``tensors`` is a dict that may be emptied as it goes (a load never holds two copies)."""
+    out = {}
+    for name in list(tensors):
+        value = tensors.pop(name) if release else tensors[name]
+        if not is_bfloat16(value):
+            value = widen(value).astype(BFLOAT16)
+        out[name] = value if keep_bf16 else widen(value)
+    return out
 
 
 class _CpuKeys:
@@ -519,5 +595,7 @@ class _CpuKeys:
         window = model.config.sliding_window if (w.sliding and not decoder) else 0
         attend(model, q, positions, cache.keys[l], cache.values[l], self.rows, n_cache, cache.slot_positions[l],
                cache.real, keys, values, key_pos, key_real, window, not decoder, out)
+        if model.bf16:  # B5: the product of the rounded weights with V, rounded
+            model.ops.round_bf16(out.reshape(self.N * self.S, -1))
         if not decoder and w.sliding:
             cache.store_sliding(l, new_k, new_v)
