@@ -335,3 +335,266 @@ def test_combination_check_catches_a_broken_kernel(name, old, new):
     same = [np.array_equal(run_combine(yo, indices, choice_row, weights, bf16, broken),
                            reference_combine(yo, indices, choice_row, weights, bf16)) for bf16 in (False, True)]
     assert not all(same), name
+
+
+# ------------------------------------------------------------------------------------------------ expert_mix
+GELU_ARGMIN = np.float32(-0.7517916)  # where the tanh GELU takes its minimum (about -0.17)
+
+
+def _round(v: np.ndarray) -> np.ndarray:
+    return round_to(np.asarray(v, np.float64).astype(np.float32), BFLOAT16)
+
+
+def _gelu_range(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Bounds of any float32 GELU (the kernel's or NumPy's) of a value in [lo, hi], before rounding: the GELU at
+    both ends and at its minimum where [lo, hi] holds it (it falls, then rises), widened by the spread of the
+    gated GELU's bound (module docstring) at both ends."""
+    g_lo, g_hi = gelu_tanh(lo).astype(np.float64), gelu_tanh(hi).astype(np.float64)
+    low, high = np.minimum(g_lo, g_hi), np.maximum(g_lo, g_hi)
+    low = np.where((lo <= GELU_ARGMIN) & (GELU_ARGMIN <= hi), np.minimum(low, float(gelu_tanh(GELU_ARGMIN))), low)
+    x_abs = np.maximum(np.abs(lo), np.abs(hi)).astype(np.float64)
+    spread = 2 * (np.maximum(np.abs(low), np.abs(high)) * 2.0 ** -21 + x_abs * 2.0 ** -23)
+    return low - spread, high + spread
+
+
+def expert_mix_bounds(x, indices, weights, gate_up, down) -> tuple[np.ndarray, np.ndarray]:
+    """Lower and upper bounds (N, H) of any correct bfloat16 ``expert_mix`` (see ``test_expert_mix_matches_the_
+    bf16_reference``): the reference's computation carried out on intervals. x, gate_up, down: float32 holding
+    bfloat16 values."""
+    N, H = x.shape
+    I_e = down.shape[2]
+    lo_out, hi_out = np.zeros((N, H), np.float32), np.zeros((N, H), np.float32)
+    for e in np.unique(indices):
+        token, slot = np.nonzero(indices == e)
+        xe = x[token]
+        # the gate/up projection: the reference's float32 sum moved by twice the accumulation bound, rounded
+        s1, e1 = xe @ gate_up[e].T, accumulation_bound(xe, gate_up[e])
+        gu_lo, gu_hi = _round(s1 - 2 * e1), _round(s1 + 2 * e1)
+        # the GELU of the gate, rounded; its product with the up value (corners of the two intervals), rounded
+        g_lo, g_hi = _gelu_range(gu_lo[:, :I_e], gu_hi[:, :I_e])
+        g_lo, g_hi = _round(g_lo), _round(g_hi)
+        u_lo, u_hi = gu_lo[:, I_e:], gu_hi[:, I_e:]
+        corners = np.stack([g_lo * u_lo, g_lo * u_hi, g_hi * u_lo, g_hi * u_hi])
+        a_lo, a_hi = round_to(corners.min(0), BFLOAT16), round_to(corners.max(0), BFLOAT16)
+        # the down projection of an interval vector: centre and radius, plus the accumulation bound
+        mid, rad = (a_lo.astype(np.float64) + a_hi) / 2, (a_hi.astype(np.float64) - a_lo) / 2
+        W = down[e].astype(np.float64)
+        reach = rad @ np.abs(W).T + accumulation_bound(np.maximum(np.abs(a_lo), np.abs(a_hi)), down[e])
+        y_lo, y_hi = _round(mid @ W.T - reach), _round(mid @ W.T + reach)
+        # the combination: float32 products and sums in the reference's order, both monotone in each operand
+        wk = weights[token, slot][:, None]
+        p1, p2 = y_lo * wk, y_hi * wk
+        np.add.at(lo_out, token, np.minimum(p1, p2))
+        np.add.at(hi_out, token, np.maximum(p1, p2))
+    return round_to(lo_out, BFLOAT16), round_to(hi_out, BFLOAT16)
+
+
+def expert_case(seed: int, N: int, K: int, E: int, H: int, I_e: int, routing: str = "spread"):
+    """bfloat16-valued inputs: x, expert matrices, the routing (indices (N, K) of distinct experts per token,
+    positive float32 weights renormalised as the router's, with ties), per the ``routing`` edge."""
+    rng = np.random.default_rng(seed)
+    x = random_bf16(rng, (N, H))
+    gate_up = random_bf16(rng, (E, 2 * I_e, H), 1.5 / np.sqrt(H))
+    down = random_bf16(rng, (E, H, I_e), 1.0 / np.sqrt(I_e))
+    if routing == "spread":               # random distinct experts; some experts chosen by no token when E >> K
+        indices = np.stack([rng.permutation(E)[:K] for _ in range(N)])
+    elif routing == "one expert takes all":
+        indices = np.stack([np.concatenate([[E - 1], rng.permutation(E - 1)[:K - 1]]) for _ in range(N)])
+    elif routing == "the same K for all":     # K experts take every token, the others none
+        indices = np.tile(rng.permutation(E)[:K], (N, 1))
+    else:
+        raise ValueError(routing)
+    weights = rng.random((N, K)).astype(np.float32) + np.float32(0.1)
+    weights[::2, -1] = weights[::2, 0]    # ties in weights
+    weights = (weights / weights.sum(-1, keepdims=True)).astype(np.float32)
+    return x, indices.astype(np.int64), weights, gate_up, down
+
+
+def run_expert_mix(x, indices, weights, gate_up, down, E: int, bf16: bool, dev=None) -> np.ndarray:
+    from diffusiongemma.fast.gpu.experts import expert_mix
+
+    dev = dev or SimDevice()
+    to = (lambda a: dev.to_device(bf16_bits(a))) if bf16 else (lambda a: dev.to_device(a))
+    out = expert_mix(dev, dev.to_device(x), dev.to_device(indices), dev.to_device(weights), to(gate_up), to(down),
+                     E, bf16)
+    return dev.to_host(out)
+
+
+EXPERT_CASES = [  # (N, K, E, H, I_e, routing): tokens not a multiple of the 16-row tile, inner sizes not of 16
+    (13, 2, 8, 40, 24, "spread"),              # experts chosen by no token
+    (21, 3, 5, 33, 18, "one expert takes all"),
+    (17, 4, 4, 48, 20, "spread"),              # K = E: every token takes every expert
+    (5, 2, 7, 130, 12, "the same K for all"),  # five experts chosen by none; H past one column block
+    (1, 1, 3, 16, 16, "spread"),
+]
+
+
+@pytest.mark.parametrize("N,K,E,H,I_e,routing", EXPERT_CASES)
+def test_expert_mix_matches_the_bf16_reference(N, K, E, H, I_e, routing):
+    """``expert_mix(..., bf16=True)`` against ``reference.layers.experts(..., dtype=BFLOAT16)``.
+
+    The bound. Each of the reference's rounding points may see another float32 value on the device: the
+    projections' sums differ within twice the accumulation bound (``check_linear``), the GELU within its spread
+    (module docstring). Every step after is monotone in each operand (rounding, the float32 products with the up
+    value and with the routing weight, the float32 sums of the combination in the reference's order) or, for the
+    GELU, falls then rises around its minimum, so the set of outputs a correct kernel may give is contained in the
+    interval the reference's own operations give on the ends of its operands' intervals (``expert_mix_bounds``; the
+    down projection of an interval vector by its centre and radius). The output must lie in that interval, and so
+    must the reference's (which checks the bound); outside the rare elements where two float32 values straddle a
+    rounding point they are the same bfloat16 value, so the output equals the reference almost everywhere."""
+    from diffusiongemma.reference.layers import experts
+
+    x, indices, weights, gate_up, down = expert_case(N * 7 + E, N, K, E, H, I_e, routing)
+    check_expert_mix(x, indices, weights, gate_up, down, run_expert_mix(x, indices, weights, gate_up, down, E, True))
+
+
+def check_expert_mix(x, indices, weights, gate_up, down, got) -> None:
+    """Raise AssertionError unless ``got`` is a bfloat16 expert_mix of these operands (see the test above)."""
+    from diffusiongemma.reference.layers import experts
+
+    ref = experts(x, indices, weights, {"experts.gate_up_proj": gate_up, "experts.down_proj": down}, BFLOAT16)
+    lo, hi = expert_mix_bounds(x, indices, weights, gate_up, down)
+    assert np.all((lo <= ref) & (ref <= hi)), "the bound does not hold for the reference itself"
+    assert not np.any(got.view(np.uint32) & 0xFFFF), "expert_mix's output is not bfloat16 values"
+    outside = ~((lo <= got) & (got <= hi))
+    assert not outside.any(), f"{np.count_nonzero(outside)} of {got.size} outputs outside the bound"
+    differ = np.count_nonzero(got != ref)
+    assert differ <= max(1, got.size // 20), f"{differ} of {got.size} outputs differ from the reference's"
+
+
+EXPERT_MIX_MUTATIONS = {  # kernel text -> broken text, anywhere in the assembled sources
+    "combination not rounded": ("o[i] = bf16 ? dg_bf16_to_float(dg_float_to_bf16(s)) : s;", "o[i] = s;"),
+    "GELU not rounded": ("const float gelu = dg_bf16_to_float(dg_float_to_bf16(dg_gelu(g[i])));",
+                         "const float gelu = dg_gelu(g[i]);"),
+    "projection truncated": ("y[at] = dg_bf16_to_float(dg_float_to_bf16(acc[ni][i]));",
+                             "y[at] = __uint_as_float(__float_as_uint(acc[ni][i]) & 0xffff0000u);"),
+    "another expert": ("w + (long long)grp * n_out * k_dim", "w + (long long)(grp > 0 ? grp - 1 : 0) * n_out * k_dim"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPERT_MIX_MUTATIONS))
+def test_expert_mix_check_catches_a_broken_kernel(name):
+    old, new = EXPERT_MIX_MUTATIONS[name]
+    text = cb.assemble_all()
+    assert text.count(old) == 1, f"mutation {name!r} no longer applies: update it with the kernels"
+    dev = SimDevice(library=KernelLibrary.from_source(text.replace(old, new)))
+    x, indices, weights, gate_up, down = expert_case(5, 21, 3, 5, 40, 24, "one expert takes all")
+    x *= 8.0                                        # activations large enough for the GELU's rounding to show
+    with pytest.raises(AssertionError):
+        check_expert_mix(x, indices, weights, gate_up, down,
+                         run_expert_mix(x, indices, weights, gate_up, down, 5, True, dev))
+
+
+def test_expert_mix_float32_mode_is_the_sequence_it_replaces():
+    """bf16=False issues exactly the launches ``GpuOps.expert_mix`` (fast/gpu/model.py) issued, with the same
+    arguments, and gives the same outputs bit for bit as that sequence issued by hand here."""
+    N, K, E, H, I_e = 19, 3, 6, 40, 24
+    x, indices, weights, gate_up, down = expert_case(3, N, K, E, H, I_e)
+    dev = SimDevice(record=True)
+    got = run_expert_mix(x, indices, weights, gate_up, down, E, False, dev)
+    kernels = [launch.kernel for launch in dev.launches]
+    assert kernels == ["dg_group_experts", "dg_gather_rows", "dg_grouped_gemm_nt", "dg_gated_gelu",
+                       "dg_grouped_gemm_nt", "dg_combine_experts"]
+    assert dev.launches[3].args[-1] == 0 and dev.launches[5].args[-1] == 0      # the float32 modes
+    d = SimDevice()
+    xs, ind, wts = d.to_device(x), d.to_device(indices), d.to_device(weights)
+    tiles, rows = gl.moe_rows(N, K, E)
+    offsets, row_token = d.empty((E + 1,), np.int32), d.empty((rows,), np.int32)
+    choice_row, tile_expert = d.empty((N, K), np.int32), d.empty((tiles,), np.int32)
+    d.launch(gl.group_experts(ind, E, offsets, row_token, choice_row, tile_expert))
+    xg = d.empty((rows, H), np.float32)
+    d.launch(gl.gather_rows(xs, row_token, xg))
+    gu = d.zeros((rows, 2 * I_e), np.float32)
+    d.launch(gl.grouped_gemm_nt(xg, d.to_device(gate_up), tile_expert, gu))
+    act = d.empty((rows, I_e), np.float32)
+    d.launch(gl.gated_gelu(gu, act))
+    yo = d.empty((rows, H), np.float32)
+    d.launch(gl.grouped_gemm_nt(act, d.to_device(down), tile_expert, yo))
+    out = d.empty((N, H), np.float32)
+    d.launch(gl.combine_experts(yo, ind, choice_row, wts, out))
+    assert np.array_equal(got.view(np.uint32), d.to_host(out).view(np.uint32))
+    from diffusiongemma.reference.layers import experts
+
+    ref = experts(x, indices, weights, {"experts.gate_up_proj": gate_up, "experts.down_proj": down})
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_mix_refuses_matrices_of_the_other_run():
+    from diffusiongemma.fast.gpu.experts import expert_mix
+
+    dev = SimDevice()
+    x, indices, weights = dev.zeros((3, 16), np.float32), dev.zeros((3, 2), np.int64), dev.zeros((3, 2), np.float32)
+    gu32, down32 = dev.zeros((4, 16, 16), np.float32), dev.zeros((4, 16, 8), np.float32)
+    with pytest.raises(gl.LaunchError, match="gate_up is float32, expected uint16 in the bfloat16 run"):
+        expert_mix(dev, x, indices, weights, gu32, down32, 4, True)
+    with pytest.raises(gl.LaunchError, match="down is uint16, expected float32 in the float32 run"):
+        expert_mix(dev, x, indices, weights, gu32, down32.astype(np.uint16), 4, False)
+    with pytest.raises(gl.LaunchError, match=r"do not match \(5, 2 \* I_e, 16\)"):
+        expert_mix(dev, x, indices, weights, gu32, down32, 5, False)
+
+
+# ------------------------------------------------------------------------------------------------ the router
+ROUTER_TIE = "if (ob > best || (ob == best && oa < arg)) { best = ob; arg = oa; }"
+
+
+def router_indices(logits: np.ndarray, K: int, text: str | None = None) -> np.ndarray:
+    dev = SimDevice(library=KernelLibrary.from_source(text or cb.assemble(os.path.join(cb.CUDA_DIR, "moe.cu"))))
+    N, E = logits.shape
+    indices, weights = dev.empty((N, K), np.int64), dev.empty((N, K), np.float32)
+    dev.launch(gl.router(dev.to_device(logits), dev.to_device(np.ones(E, np.float32)), indices, weights))
+    return dev.to_host(indices)
+
+
+def tied_logits() -> np.ndarray:
+    logits = np.random.default_rng(8).integers(0, 3, (12, 40)).astype(np.float32)   # ties everywhere, at the K-th too
+    logits[0] = 1.0                                                                  # every expert tied
+    return logits
+
+
+@pytest.mark.parametrize("mutated", [False, True])
+def test_router_breaks_ties_to_the_lower_expert_index_as_the_reference(mutated):
+    """``dg_router`` (float32 in both runs, SPEC B6) picks among exactly equal probabilities as the reference's
+    default ``lower_index_top_k`` does: largest first, equal values by lower expert index (equal logits give
+    equal float32 probabilities in any summation order). Mutated: ties to the higher index, which the check
+    must see."""
+    from diffusiongemma.reference.layers import lower_index_top_k
+
+    text = cb.assemble(os.path.join(cb.CUDA_DIR, "moe.cu"))
+    assert text.count(ROUTER_TIE) == 1
+    if mutated:
+        text = text.replace(ROUTER_TIE, ROUTER_TIE.replace("oa < arg", "oa > arg"))
+    logits = tied_logits()
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    same = np.array_equal(router_indices(logits, 8, text), lower_index_top_k(p, 8))
+    assert same != mutated
+
+
+# ------------------------------------------------------------------------------------------------ compile
+def _nvrtc_or_skip():
+    if cb.load_nvrtc() is None:
+        if os.environ.get(cb.SKIP_ENV) == "1":
+            pytest.skip(f"no libnvrtc and {cb.SKIP_ENV}=1")
+        pytest.fail("no libnvrtc loads (the test extra installs nvidia-cuda-nvrtc-cu12)")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_grouped_gemm_compiles_to_tensor_core_mma_without_spills(arch):
+    import re
+
+    _nvrtc_or_skip()
+    text = cb.assemble(MOE_SOURCE)
+    ptx = cb.nvrtc_ptx(text, arch)
+    # 4 mma tiles per warp, two k steps of 16 per block step: 8 mma instructions, no fallback on the CUDA cores
+    assert len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32\b", ptx)) == 8, ptx[-2000:]
+    assert "shfl.sync" not in ptx
+    report = cb.compile_source(text, arch, compiler="nvrtc", name="moe_bf16.cu").kernels["dg_grouped_gemm_bf16"]
+    assert report.registers > 0 and not report.spills and report.stack_frame == 0
+    assert report.registers * gl.const("DG_MOE_BF16_THREADS") <= 65536
+    assert moe_library().static_shared["dg_grouped_gemm_bf16"] == report.shared_memory   # cuda-sim's layout
+    # the released model's shapes: 128 experts, top-8, H 2816, I_e 704 (512 tokens)
+    tiles, rows = gl.moe_rows(512, 8, 128)
+    for n_out, k_dim in ((2 * 704, 2816), (2816, 704)):
+        launch = gl.grouped_gemm_bf16(np.zeros((rows, k_dim), np.float32), np.zeros((128, n_out, k_dim), np.uint16),
+                                      np.zeros(tiles, np.int32), np.zeros((rows, n_out), np.float32))
+        assert gl.check_resources(launch, report.shared_memory, 1024, gl.SHARED_OPT_IN_LIMITS[arch], arch) == 0
