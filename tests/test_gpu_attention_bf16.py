@@ -69,11 +69,13 @@ class Case:
     each of its B_c rows (``pad[b]`` left-padding positions not real); ``ring`` > 0 keeps only the last ``ring``
     positions in slots ``p mod ring`` (a sliding layer's cache, W - 1 slots), else position p sits in slot p;
     ``extra_slots`` empty slots (position -1) follow. ``rows``: the cache row of each query row (None: row n).
+    ``poison``: the kernel's cache holds NaN and inf in its empty slots and at padding positions (a GPU cache is
+    not cleared), where the reference's holds the finite values it computed.
     """
 
     def __init__(self, rng, *, N=2, S=5, nh=4, g=2, d=32, past=0, ring=0, extra_slots=0, decoder=False,
-                 window=0, pad=None, rows=None, scale=1.0, B_c=None):
-        self.N, self.S, self.nh, self.g, self.d, self.decoder = N, S, nh, g, d, decoder
+                 window=0, pad=None, rows=None, scale=1.0, B_c=None, poison=False):
+        self.N, self.S, self.nh, self.g, self.d, self.decoder, self.poison = N, S, nh, g, d, decoder, poison
         self.window = 0 if decoder else window
         self.causal = not decoder
         B_c = B_c or N
@@ -102,7 +104,12 @@ class Case:
     def launch_args(self, dev, out) -> tuple:
         up = dev.to_device
         cache = self.n_cache > 0
-        return (up(self.q), up(self.q_pos), up(self.cache_k) if cache else None, up(self.cache_v) if cache else None,
+        cache_k, cache_v = self.cache_k.copy(), self.cache_v.copy()
+        if self.poison:
+            unused = (self.slot_pos[None, :] < 0) | (self.cache_real[:, np.clip(self.slot_pos, 0, None)] == 0)
+            cache_k[np.broadcast_to(unused[:, None, :], cache_k.shape[:3])] = np.inf
+            cache_v[np.broadcast_to(unused[:, None, :], cache_v.shape[:3])] = np.nan
+        return (up(self.q), up(self.q_pos), up(cache_k) if cache else None, up(cache_v) if cache else None,
                 None if self.rows is None or not cache else up(self.rows), self.n_cache,
                 up(self.slot_pos) if cache else None, up(self.cache_real) if cache else None, up(self.new_k),
                 up(self.new_v), up(self.q_pos), up(self.new_real), self.window, self.causal, out)
@@ -175,7 +182,7 @@ def check(case: Case, got: np.ndarray, agree: float = 0.97) -> None:
     ref = attend(case.q, keys, values, visible, dtype=BFLOAT16)
     lo, hi = interval(case.q, keys, values, visible)
     assert np.all((lo <= ref) & (ref <= hi)), "the reference itself is outside the bound: the bound is wrong"
-    assert not np.isnan(got).any(), f"{np.count_nonzero(np.isnan(got))} outputs NaN (unwritten)"
+    assert not np.isnan(got).any(), f"{np.count_nonzero(np.isnan(got))} outputs NaN (unwritten, or NaN reached them)"
     assert np.array_equal(bf16(got), got), "outputs are not bfloat16 values"
     outside = ~((lo <= got) & (got <= hi))
     assert not outside.any(), (f"{np.count_nonzero(outside)} of {got.size} outputs outside the bound, first at "
@@ -201,6 +208,9 @@ CASES = {
     "sliding window r=4 d=64": dict(N=2, S=40, nh=4, g=1, d=64, past=20, ring=7, window=8, pad=[0, 5], scale=2.0),
     # no cache at all (the first chunk), r = 2, d = 32: 13 keys, none a multiple of the tile
     "zero cache": dict(N=1, S=13, nh=2, g=1, d=32, scale=2.0),
+    # a left-padded first chunk: row 1's 4 padding queries see no key (their own keys are padding, the rest is
+    # after them) -> zeros, in a tile the other queries see
+    "padding queries": dict(N=2, S=12, nh=2, g=1, d=32, pad=[0, 4], scale=2.0),
     # a padding row whose every key is padding (pad past all positions): its queries see nothing -> zeros
     "fully masked row": dict(N=2, S=6, nh=2, g=1, d=32, past=5, pad=[2, 40], scale=2.0),
     # a head dim not a multiple of 16 (a zero-padded depth) and a single query over a single key
@@ -256,17 +266,145 @@ def test_equal_keys_and_a_score_on_a_rounding_tie():
 
 def test_empty_slots_and_padding_keys_are_not_read():
     """Values of an empty slot (position -1) or a padding position may be anything (a GPU cache is not cleared):
-    NaN there must not reach any output, as the reference never sees them (0 x NaN would be NaN on mma)."""
-    rng = np.random.default_rng(8)
-    case = Case(rng, N=2, S=5, nh=4, g=2, d=32, past=9, extra_slots=4, pad=[0, 4], scale=2.0)
-    clean = Case(rng, N=2, S=5, nh=4, g=2, d=32, past=9, extra_slots=4, pad=[0, 4], scale=2.0)
-    for a, b in ((case.cache_k, clean.cache_k), (case.cache_v, clean.cache_v), (case.q, clean.q),
-                 (case.new_k, clean.new_k), (case.new_v, clean.new_v)):
-        b[...] = a
-    case.cache_k[:, :, 9:], case.cache_v[:, :, 9:] = np.nan, np.nan        # the empty slots
-    case.cache_k[1, :, :4], case.cache_v[1, :, :4] = np.inf, np.nan         # row 1's padding positions
+    inf and NaN there must not reach any output, as the reference never sees them (0 x NaN is NaN on mma)."""
+    case = Case(np.random.default_rng(8), N=2, S=5, nh=4, g=2, d=32, past=9, extra_slots=4, pad=[0, 4], scale=2.0,
+                poison=True)
     got = run(case)
     assert np.isfinite(got).all()
-    clean.cache_k[:, :, 9:], clean.cache_v[:, :, 9:] = 0.0, 0.0
-    clean.cache_k[1, :, :4], clean.cache_v[1, :, :4] = 0.0, 0.0
-    check(clean, got)
+    check(case, got)
+
+
+# ------------------------------------------------------------------------------------------------ the tests can fail
+MUTATIONS = {
+    # the scores kept in float32 (not rounded to bfloat16) in both passes
+    "float32 scores": ("s[e] = vis ? dg_bf16_to_float(dg_attb_bits(sacc[mi][2 * h + e])) : -dg_inf();",
+                       "s[e] = vis ? sacc[mi][2 * h + e] : -dg_inf();"),
+    # the normalised weights truncated to bfloat16 instead of rounded before P V
+    "weights truncated": ("dg_attb_bits(expf(s[e] - m) / l)", "(unsigned short)(__float_as_uint(expf(s[e] - m) / l) >> 16)"),
+    # the output left unrounded
+    "float32 output": ("dg_bf16_to_float(dg_attb_bits(acc[ui][i]))", "acc[ui][i]"),
+    # the sliding window one key wider, the causal mask one key narrower
+    "window off by one": ("(window <= 0 || pos > qp - window);", "(window <= 0 || pos >= qp - window);"),
+    "causal off by one": ("(!causal || pos <= qp) &&", "(!causal || pos < qp) &&"),
+    # tiles skipped by the block's first query position instead of its last
+    "tile skip": ("(!causal || pos <= qhi)", "(!causal || pos <= qlo)"),
+    # the running sum not rescaled when a later tile raises the maximum
+    "no rescale": ("l_run * expf(m_run - m_new)", "l_run"),
+    # the values of empty slots and padding keys read (NaN there reaches the mma: 0 x NaN)
+    "padding values read": ("if (c < d && kreal[tk])", "if (c < d)"),
+    # the two keys of a value pair exchanged
+    "value pairs": ("vt[c * VS + kp] = dg_bf16_pair(dg_attb_bits(x0), dg_attb_bits(x1));",
+                    "vt[c * VS + kp] = dg_bf16_pair(dg_attb_bits(x1), dg_attb_bits(x0));"),
+    # a query that sees no key: exp(-inf - -inf) = NaN instead of a zero weight
+    "unseen query": ("w[e] = s[e] == -dg_inf() ? (unsigned short)0 : dg_attb_bits", "w[e] = dg_attb_bits"),
+    # one row past the last written (the bounds check of cuda-sim, not the numbers, reports it)
+    "row bound": ("if (grow >= rows_total || c >= d) continue;", "if (grow > rows_total || c >= d) continue;"),
+}
+MUTATION_CASES = (
+    # a sliding layer's ring cache with empty slots and poisoned padding, a row that sees nothing
+    dict(N=2, S=40, nh=4, g=2, d=32, past=20, ring=7, window=8, extra_slots=2, pad=[3, 99], scale=2.0, poison=True),
+    # a first chunk of 150 tokens: 5 key tiles, 3 row blocks, maxima that grow from tile to tile; left padding,
+    # so that the first 5 queries see no key in tiles that the other queries of their block see
+    dict(N=1, S=150, nh=2, g=1, d=32, pad=[5], scale=2.0),
+)
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_the_checks_catch_a_broken_kernel(name):
+    old, new = MUTATIONS[name]
+    text = cb.assemble(SOURCE)
+    assert text.count(old) == 1, f"mutation {name!r} no longer applies: update it with the kernel"
+    broken = library(text.replace(old, new))
+    for kw in MUTATION_CASES:
+        case = Case(np.random.default_rng(12), **kw)
+        try:
+            check(case, run(case, broken))
+        except (AssertionError, KernelCheckError):
+            return
+    pytest.fail(f"mutation {name!r} passed every check")
+
+
+# ------------------------------------------------------------------------------------------------ launch, compile
+def _launch_args(N=2, S=5, nh=4, g=2, d=16, slots=7, n_cache=4, n_new=5, P=9) -> dict:
+    z = np.zeros
+    return dict(q=z((N, S, nh, d), f32), q_pos=z(S, i64), cache_k=z((N, g, slots, d), f32),
+                cache_v=z((N, g, slots, d), f32), cache_rows=None, n_cache=n_cache, slot_pos=z(slots, i64),
+                cache_real=z((N, P), u8), new_k=z((N, g, n_new, d), f32), new_v=z((N, g, n_new, d), f32),
+                new_pos=z(n_new, i64), new_real=z((N, n_new), u8), window=8, causal=True, out=z((N, S, nh * d), f32))
+
+
+def test_launch_builder_takes_the_float32_attention_parameters_and_checks():
+    import inspect
+
+    assert inspect.signature(gl.attention_bf16).parameters.keys() == inspect.signature(gl.attention).parameters.keys()
+    launch = gl.attention_bf16(**_launch_args())
+    names = [p.name for p in gl.signatures()["dg_attention_bf16"]]
+    args = dict(zip(names, launch.args))
+    assert args["n_cache"] == 4 and args["slots"] == 7 and args["real_stride"] == 9 and args["n_new"] == 5
+    assert args["causal"] == 1 and args["window"] == 8 and args["row_tiles"] == 1
+    assert launch.grid == (1, 2, 2) and launch.block == (128, 1, 1)
+    assert launch.shared_mem == gl.attention_bf16_shared_bytes(1, 16)
+    for bad, match in (({"n_cache": 8}, "dg_attention_bf16: n_cache=8 exceeds the 7 cache slots"),
+                       ({"new_k": np.zeros((2, 2, 5, 32), f32)}, r"dg_attention_bf16: new_k has shape \(2, 2, 5, 32\)"),
+                       ({"n_cache": 0, "new_k": None}, "dg_attention_bf16: no keys"),
+                       ({"q": np.zeros((2, 5, 3, 16), f32), "out": np.zeros((2, 5, 48), f32)},
+                        "dg_attention_bf16: 2 KV heads do not divide 3 query heads"),
+                       ({"q": np.zeros((2, 5, 4, 16), np.float64)}, "dg_attention_bf16: q must be float32")):
+        with pytest.raises(gl.LaunchError, match=match):
+            gl.attention_bf16(**{**_launch_args(), **bad})
+    with pytest.raises(gl.LaunchError, match="dg_attention_bf16: head dim 520 must be 1 to 512"):
+        gl.attention_bf16_plan(10, 1, 520)
+    with pytest.raises(gl.LaunchError, match="dg_attention_bf16: head dim 512 does not fit 65536 bytes"):
+        gl.attention_bf16_plan(10, 1, 512, budget=65536)
+
+
+@pytest.mark.parametrize("d", [16, 24, 32, 64, 128, 256, 512])
+def test_launch_plan_rows_and_shared_memory(d):
+    """Rows per block: as many 16-row tiles as the warps' 64 output registers allow (row_tiles * d16 <= 512), at
+    most 8, no more than the rows need; the shared memory the kernel lays out (fits every GPU's opt-in)."""
+    d16 = -(-d // 16) * 16
+    row_tiles, smem = gl.attention_bf16_plan(4096, 2, d)
+    assert row_tiles == min(8, 512 // d16)
+    assert smem == gl.attention_bf16_shared_bytes(row_tiles, d) <= gl.ATTENTION_SHARED_BUDGET
+    assert gl.attention_bf16_plan(3, 2, d)[0] == 1                      # 6 rows: one row tile
+    for arch in ("sm_80", "sm_86", "sm_90"):
+        launch = gl.Launch("dg_attention_bf16", (1, 1, 1), (128, 1, 1), (), smem)
+        gl.check_resources(launch, 0, 128, gl.SHARED_OPT_IN_LIMITS[arch], arch)
+
+
+def test_the_released_layers_launch_on_cuda_sim_with_their_plans():
+    """The 26B model's layers (sliding: d 256, 16 query heads over 8 KV heads; full: d 512 over 2) at a 32k-token
+    prefill and a 256-token canvas: the grids and plans, and one block-sized run of each on cuda-sim (sm_86, the
+    smallest opt-in limit cuda-sim enforces) through its shared-memory and launch-bound checks."""
+    for S, r, d, rows in ((32768, 2, 256, 32), (32768, 8, 512, 16), (256, 2, 256, 32), (256, 8, 512, 16)):
+        row_tiles, smem = gl.attention_bf16_plan(S, r, d)
+        assert 16 * row_tiles == rows and -(-(S * r) // rows) <= 2 ** 31 - 1
+    rng = np.random.default_rng(5)
+    for kw in (dict(N=1, S=16, nh=16, g=8, d=256, past=30, decoder=True), dict(N=1, S=2, nh=16, g=2, d=512, past=33)):
+        case = Case(rng, **kw, scale=2.0)
+        check(case, run(case))
+
+
+def _nvrtc_or_skip():
+    if cb.load_nvrtc() is None:
+        if os.environ.get(cb.SKIP_ENV) == "1":
+            pytest.skip(f"no libnvrtc and {cb.SKIP_ENV}=1")
+        pytest.fail("no libnvrtc loads (the test extra installs nvidia-cuda-nvrtc-cu12)")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_compiles_to_tensor_core_mma_without_spills_and_fits_its_launches(arch):
+    _nvrtc_or_skip()
+    text = cb.assemble(SOURCE)
+    ptx = cb.nvrtc_ptx(text, arch)
+    # the scores: one mma per row tile (8, unrolled) per 16 of depth; P V: 16 output tiles x 2 steps of 16 keys
+    assert len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32\b", ptx)) == 8 + 32
+    assert ptx.count("shfl.sync") == 2                  # only the row statistics' max and sum, no emulation
+    report = cb.compile_source(text, arch, compiler="nvrtc", name="attention_bf16.cu").kernels["dg_attention_bf16"]
+    assert report.registers > 0 and not report.spills and report.stack_frame == 0   # accumulators in registers
+    assert report.registers * 128 <= 65536
+    assert library().static_shared["dg_attention_bf16"] == report.shared_memory == 0
+    for S, r, d in ((32768, 2, 256), (32768, 8, 512), (256, 8, 512), (300, 4, 64)):
+        row_tiles, smem = gl.attention_bf16_plan(S, r, d)
+        launch = gl.Launch("dg_attention_bf16", (1, 1, 1), (128, 1, 1), (), smem)
+        gl.check_resources(launch, report.shared_memory, 1024, gl.SHARED_OPT_IN_LIMITS[arch], arch)
