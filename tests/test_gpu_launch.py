@@ -56,23 +56,23 @@ def test_constants_are_read_from_the_header():
 # ------------------------------------------------------------------------------------------------ pack_args
 def test_pack_args_types_and_errors():
     x, w, out = z(4, 8), z(8), z(4, 8)
-    packed = gl.pack_args("dg_rms_norm", (x, w, 1.0, out, 4, 8, 1e-6))
+    packed = gl.pack_args("dg_rms_norm", (x, w, 1.0, out, 4, 8, 1e-6, 0))
     assert type(packed[2]) is np.float32 and type(packed[4]) is np.int32 and packed[0] is x
-    assert gl.pack_args("dg_rms_norm", (x, None, 1.0, out, 4, 8, 1e-6))[1] is None
-    with pytest.raises(gl.LaunchError, match="takes 7 arguments"):
+    assert gl.pack_args("dg_rms_norm", (x, None, 1.0, out, 4, 8, 1e-6, 0))[1] is None
+    with pytest.raises(gl.LaunchError, match="takes 8 arguments"):
         gl.pack_args("dg_rms_norm", (x, w))
     with pytest.raises(gl.LaunchError, match="x must be float32, got float64"):
-        gl.pack_args("dg_rms_norm", (x.astype(np.float64), w, 1.0, out, 4, 8, 1e-6))
+        gl.pack_args("dg_rms_norm", (x.astype(np.float64), w, 1.0, out, 4, 8, 1e-6, 0))
     with pytest.raises(gl.LaunchError, match="C-contiguous"):
-        gl.pack_args("dg_rms_norm", (z(8, 4).T, w, 1.0, out, 4, 8, 1e-6))
+        gl.pack_args("dg_rms_norm", (z(8, 4).T, w, 1.0, out, 4, 8, 1e-6, 0))
     with pytest.raises(gl.LaunchError, match="out must not be NULL"):
-        gl.pack_args("dg_rms_norm", (x, w, 1.0, None, 4, 8, 1e-6))
+        gl.pack_args("dg_rms_norm", (x, w, 1.0, None, 4, 8, 1e-6, 0))
     with pytest.raises(gl.LaunchError, match="does not fit"):
-        gl.pack_args("dg_rms_norm", (x, w, 1.0, out, 2**31, 8, 1e-6))
+        gl.pack_args("dg_rms_norm", (x, w, 1.0, out, 2**31, 8, 1e-6, 0))
     with pytest.raises(gl.LaunchError, match="must be an integer"):
-        gl.pack_args("dg_rms_norm", (x, w, 1.0, out, 4.5, 8, 1e-6))
+        gl.pack_args("dg_rms_norm", (x, w, 1.0, out, 4.5, 8, 1e-6, 0))
     with pytest.raises(gl.LaunchError, match="NaN"):
-        gl.pack_args("dg_rms_norm", (x, w, float("nan"), out, 4, 8, 1e-6))
+        gl.pack_args("dg_rms_norm", (x, w, float("nan"), out, 4, 8, 1e-6, 0))
     with pytest.raises(gl.LaunchError, match="no kernel"):
         gl.pack_args("dg_nothing", ())
 

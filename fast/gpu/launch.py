@@ -261,28 +261,32 @@ def _row_threads(dim: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ norms.cu
-def rms_norm(x, weight, out, eps: float, post: float = 1.0) -> Launch:
-    """``out = rms_norm(x) * weight * post`` row-wise; x, out (rows, dim) float32, weight (dim,) or None."""
+def rms_norm(x, weight, out, eps: float, post: float = 1.0, bf16: int = 0) -> Launch:
+    """``out = rms_norm(x) * weight * post`` row-wise; x, out (rows, dim) float32, weight (dim,) or None.
+    bf16: 0 float32; 1 a bfloat16 run's norm (rounded after the weight and after ``post``); 2 the router's input
+    (the weightless norm rounded before the weight too), see ``dg_rms_norm``."""
     k = "dg_rms_norm"
     _ndim(k, "x", x, 2)
     rows, dim = x.shape
     _shape(k, "out", out, (rows, dim))
     _shape(k, "weight", weight, (dim,))
-    return _launch(k, max(rows, 1), _row_threads(dim), (x, weight, post, out, rows, dim, eps))
+    if int(bf16) not in (0, 1, 2):
+        raise LaunchError(f"{k}: bf16={bf16!r} must be 0, 1 or 2")
+    return _launch(k, max(rows, 1), _row_threads(dim), (x, weight, post, out, rows, dim, eps, int(bf16)))
 
 
-def residual_norm(h, y, weight, scalar: float, eps: float) -> Launch:
-    """``h = (h + rms_norm(y) * weight) * scalar``; h, y (rows, dim), weight (dim,)."""
+def residual_norm(h, y, weight, scalar: float, eps: float, bf16: bool = False) -> Launch:
+    """``h = (h + rms_norm(y) * weight) * scalar``; h, y (rows, dim), weight (dim,); bf16: each result rounded."""
     k = "dg_residual_norm"
     _ndim(k, "h", h, 2)
     rows, dim = h.shape
     _shape(k, "y", y, (rows, dim))
     _shape(k, "weight", weight, (dim,))
-    return _launch(k, max(rows, 1), _row_threads(dim), (h, y, weight, scalar, rows, dim, eps))
+    return _launch(k, max(rows, 1), _row_threads(dim), (h, y, weight, scalar, rows, dim, eps, int(bool(bf16))))
 
 
-def ffn_tail(h, dense, moe, w_dense, w_moe, w_out, scalar: float, eps: float) -> Launch:
-    """End of a block; see ``dg_ffn_tail``. h, dense, moe (rows, dim); weights (dim,)."""
+def ffn_tail(h, dense, moe, w_dense, w_moe, w_out, scalar: float, eps: float, bf16: bool = False) -> Launch:
+    """End of a block; see ``dg_ffn_tail``. h, dense, moe (rows, dim); weights (dim,); bf16: a bfloat16 run's."""
     k = "dg_ffn_tail"
     _ndim(k, "h", h, 2)
     rows, dim = h.shape
@@ -290,20 +294,23 @@ def ffn_tail(h, dense, moe, w_dense, w_moe, w_out, scalar: float, eps: float) ->
         _shape(k, name, a, (rows, dim))
     for name, a in (("w_dense", w_dense), ("w_moe", w_moe), ("w_out", w_out)):
         _shape(k, name, a, (dim,))
-    return _launch(k, max(rows, 1), _row_threads(dim), (h, dense, moe, w_dense, w_moe, w_out, scalar, rows, dim, eps))
+    return _launch(k, max(rows, 1), _row_threads(dim), (h, dense, moe, w_dense, w_moe, w_out, scalar, rows, dim, eps,
+                                                        int(bool(bf16))))
 
 
-def embed(ids, table, scale: float, add, normalize: bool, out, eps: float) -> Launch:
+def embed(ids, table, scale: float, add, normalize: bool, out, eps: float, bf16: bool = False) -> Launch:
     """``out = table[ids] * scale (+ add)``, then optionally a weightless RMSNorm. ids (rows,) int64;
-    table (V, H); add, out (rows, H)."""
+    table (V, H) float32, or uint16 (bfloat16 bits); add, out (rows, H). bf16: a bfloat16 run's (the scale
+    rounded to bfloat16 first, every result rounded; see ``dg_embed``)."""
     k = "dg_embed"
     _ndim(k, "ids", ids, 1)
     _ndim(k, "table", table, 2)
     rows, dim = ids.shape[0], table.shape[1]
     _shape(k, "out", out, (rows, dim))
     _shape(k, "add", add, (rows, dim))
-    return _launch(k, max(rows, 1), _row_threads(dim), (ids, table, scale, add, int(bool(normalize)), out, rows,
-                                                        dim, eps))
+    bits = np.dtype(table.dtype) == np.uint16
+    return _launch(k, max(rows, 1), _row_threads(dim), (ids, None if bits else table, scale, add, int(bool(normalize)),
+                                                        out, rows, dim, eps, table if bits else None, int(bool(bf16))))
 
 
 def softcap(x, cap: float) -> Launch:
@@ -331,8 +338,9 @@ def gated_gelu(gu, out, bf16: bool = False) -> Launch:
 
 
 def qkv_heads(proj, batch: int, S: int, n_heads: int, n_kv: int, d: int, has_v: bool, q_norm, k_norm, cos, sin,
-              q_out, k_out, v_out, eps: float) -> Launch:
-    """Split a fused q/k(/v) projection into normed, rotated heads (see ``dg_qkv_heads``).
+              q_out, k_out, v_out, eps: float, bf16: bool = False) -> Launch:
+    """Split a fused q/k(/v) projection into normed, rotated heads (see ``dg_qkv_heads``); bf16: a bfloat16
+    run's (every norm and each of the rotation's three operations rounded; cos and sin bf16-valued).
 
     proj (batch*S, (n_heads + (2 if has_v else 1) * n_kv) * d); cos, sin (S, d/2); q_out (batch, S, n_heads, d);
     k_out, v_out (batch, n_kv, S, d)."""
@@ -352,7 +360,7 @@ def qkv_heads(proj, batch: int, S: int, n_heads: int, n_kv: int, d: int, has_v: 
     _shape(k, "v_out", v_out, (batch, n_kv, S, d))
     return _launch(k, (max(tokens, 1), n_heads + n_kv), _row_threads(d),
                    (proj, tokens, S, n_heads, n_kv, d, int(bool(has_v)), q_norm, k_norm, cos, sin, q_out, k_out,
-                    v_out, eps))
+                    v_out, eps, int(bool(bf16))))
 
 
 # ------------------------------------------------------------------------------------------------ attention.cu
@@ -752,18 +760,29 @@ def step_end(flags, finish_step, status, step) -> Launch:
 
 
 # ------------------------------------------------------------------------------------------------ gemm_bf16.cu
-def gemm_bf16(a, b, c=None, c_bf16=None) -> Launch:
+def gemm_bf16(a, b, c=None, c_bf16=None, *, a_f32=None, b_kn: bool = False, round_c: bool = False) -> Launch:
     """``a @ b.T`` of bfloat16 matrices with float32 accumulation (see ``dg_gemm_bf16``), on tensor cores from
     sm_80. a (M, K) and b (N, K) uint16: bfloat16 bits (``x.astype(ml_dtypes.bfloat16).view(np.uint16)``);
     c (M, N) float32: the float32 accumulator; c_bf16 (M, N) uint16: it rounded to bfloat16, nearest, ties to
-    even (the reference's ``linear(..., dtype=bfloat16)``). Either output may be None, not both."""
+    even (the reference's ``linear(..., dtype=bfloat16)``). Either output may be None, not both.
+    a_f32 (M, K) float32 instead of a (a is then None): rounded to bfloat16 as it is loaded (exact for the
+    bf16-valued activations of a bfloat16 run). b_kn: b is (K, N) and the product is ``a @ b`` (the
+    self-conditioning ``probs @ E`` with the table as stored). round_c: c receives the accumulator rounded to
+    bfloat16, widened to float32 (a bfloat16 run's activation)."""
     k = "dg_gemm_bf16"
-    _ndim(k, "a", a, 2)
+    if (a is None) == (a_f32 is None):
+        raise LaunchError(f"{k}: give exactly one of a (bfloat16 bits) and a_f32 (float32)")
+    if a is not None and np.dtype(a.dtype) != np.uint16:
+        raise LaunchError(f"{k}: a must be uint16, got {np.dtype(a.dtype)}")
+    if a_f32 is not None and np.dtype(a_f32.dtype) != np.float32:
+        raise LaunchError(f"{k}: a_f32 must be float32, got {np.dtype(a_f32.dtype)}")
+    _ndim(k, "a" if a is not None else "a_f32", a if a is not None else a_f32, 2)
     _ndim(k, "b", b, 2)
-    M, K = a.shape
-    N = b.shape[0]
-    if b.shape[1] != K:
-        raise LaunchError(f"{k}: b has shape {tuple(b.shape)}, expected ({N}, {K}) (the inner dimension of a)")
+    M, K = (a if a is not None else a_f32).shape
+    N = b.shape[1] if b_kn else b.shape[0]
+    if (b.shape[0] if b_kn else b.shape[1]) != K:
+        expected = (K, N) if b_kn else (N, K)
+        raise LaunchError(f"{k}: b has shape {tuple(b.shape)}, expected {expected} (the inner dimension of a)")
     if c is None and c_bf16 is None:
         raise LaunchError(f"{k}: no output (c and c_bf16 are both None)")
     _shape(k, "c", c, (M, N))
@@ -772,7 +791,8 @@ def gemm_bf16(a, b, c=None, c_bf16=None) -> Launch:
     grid = (max(1, -(-N // tn)), max(1, -(-M // tm)))
     if grid[1] > 65535:
         raise LaunchError(f"{k}: {M} rows need {grid[1]} row tiles, over the grid's y limit 65535")
-    return _launch(k, grid, const("DG_BF16_THREADS"), (a, b, c, c_bf16, M, N, K))
+    return _launch(k, grid, const("DG_BF16_THREADS"), (a, b, c, c_bf16, M, N, K, a_f32, int(bool(b_kn)),
+                                                       int(bool(round_c))))
 
 
 # ------------------------------------------------------------------------------------------------ round_bf16.cu

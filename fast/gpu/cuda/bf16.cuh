@@ -19,6 +19,10 @@ __device__ __forceinline__ unsigned short dg_float_to_bf16(float f) {
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);                   // nearest, ties to even
 }
 
+// x rounded to bfloat16 (nearest, ties to even) and widened back: the reference's round_to on one float32, the
+// rounding point of a bfloat16 run whose activations stay float32 arrays holding bfloat16 values.
+__device__ __forceinline__ float dg_bf16_round(float x) { return dg_bf16_to_float(dg_float_to_bf16(x)); }
+
 // Two bf16 (low: the first) as the 32-bit register of a .bf16x2 operand.
 __device__ __forceinline__ unsigned dg_bf16_pair(unsigned short lo, unsigned short hi) {
     return (unsigned)lo | ((unsigned)hi << 16);

@@ -3,6 +3,7 @@
 // Upstream: DiffusionGemmaTextAttention.forward up to the attention itself.
 
 #include "common.cuh"
+#include "bf16.cuh"
 
 // proj: (tokens, n_heads*d + n_kv*d [+ n_kv*d]) float32, x @ [Wq; Wk; (Wv)]^T for tokens = batch * S,
 //   token t = b * S + s. has_v = 0 on full-attention layers: V is then the *raw* key projection, taken
@@ -12,10 +13,13 @@
 //   k = RoPE(k_norm(k_raw)), v = rms(v_raw) with no weight.
 // grid = (tokens, n_heads + n_kv): one block per (token, head); block y >= n_heads does KV head
 // y - n_heads, writing both its key and its value. blockDim.x = a multiple of 32 (<= DG_ROW_THREADS).
+// bf16 (layers.project_qkv and primitives.apply_rope with dtype bfloat16, SPEC B4): proj and the tables hold
+// bfloat16 values (the host rounds cos and sin); each norm is rounded, and the rotation is three rounded
+// tensor operations, round(round(x * cos) + round(rotate_half(x) * sin)).
 extern "C" __global__ void dg_qkv_heads(const float* proj, int tokens, int S, int n_heads, int n_kv, int d,
                                         int has_v, const float* q_norm, const float* k_norm,
                                         const float* cos_t, const float* sin_t, float* q_out, float* k_out,
-                                        float* v_out, float eps) {
+                                        float* v_out, float eps, int bf16) {
     __shared__ float scratch[32];
     __shared__ float vec[DG_MAX_HEAD_DIM];
     const int t = blockIdx.x, head = blockIdx.y;
@@ -40,17 +44,25 @@ extern "C" __global__ void dg_qkv_heads(const float* proj, int tokens, int S, in
         const float* v_raw = has_v ? row + (long long)(n_heads + n_kv + j) * d : k_raw;
         float* vdst = v_out + (((long long)b * n_kv + j) * S + s) * d;
         const float fv = dg_row_rms_factor(v_raw, d, eps, scratch);
-        for (int i = threadIdx.x; i < d; i += blockDim.x) vdst[i] = v_raw[i] * fv;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) vdst[i] = bf16 ? dg_bf16_round(v_raw[i] * fv) : v_raw[i] * fv;
         src = k_raw;
         w = k_norm;
         dst = k_out + (((long long)b * n_kv + j) * S + s) * d;
     }
     const float f = dg_row_rms_factor(src, d, eps, scratch);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) vec[i] = (src[i] * f) * w[i];
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = (src[i] * f) * w[i];
+        vec[i] = bf16 ? dg_bf16_round(v) : v;
+    }
     __syncthreads();
     for (int j = threadIdx.x; j < half; j += blockDim.x) {
         const float a = vec[j], bb = vec[j + half];
-        dst[j] = a * c[j] - bb * sn[j];
-        dst[j + half] = bb * c[j] + a * sn[j];
+        if (bf16) {  // round(-y) = -round(y): x1 c - x2 s is the reference's x1 c + (-x2) s, rounded alike
+            dst[j] = dg_bf16_round(dg_bf16_round(a * c[j]) - dg_bf16_round(bb * sn[j]));
+            dst[j + half] = dg_bf16_round(dg_bf16_round(bb * c[j]) + dg_bf16_round(a * sn[j]));
+        } else {
+            dst[j] = a * c[j] - bb * sn[j];
+            dst[j + half] = bb * c[j] + a * sn[j];
+        }
     }
 }
