@@ -1,17 +1,28 @@
-"""The routed experts of the GPU path in bfloat16 on cuda-sim (fast/gpu/cuda/mlp.cu ``dg_gated_gelu`` with its
-bf16 flag; fast/gpu/experts.py), against the reference's bfloat16 experts (reference/primitives.py ``gated_mlp``,
-reference/layers.py ``experts`` with dtype bfloat16; SPEC §10.1 B6).
+"""The routed experts of the GPU path in bfloat16 on cuda-sim (fast/gpu/cuda/mlp.cu ``dg_gated_gelu`` and
+moe.cu ``dg_combine_experts`` with their bf16 flags, moe_bf16.cu ``dg_grouped_gemm_bf16``, fast/gpu/experts.py
+``expert_mix``), against the reference's bfloat16 experts (reference/primitives.py ``gated_mlp``,
+reference/layers.py ``experts`` with dtype bfloat16; SPEC §10.1 B6), and their NVRTC builds for sm_80 / sm_90.
 
-The gated GELU. The GELU is computed in float32 and rounded to bfloat16, then its product with the (bfloat16) up
-value is rounded. The kernel's tanhf (glibc's on cuda-sim, CUDA's on a GPU) and NumPy's tanh may differ by a
-few ulps (we allow 4: 4 * 2^-24 absolute near |tanh| = 1, where its ulp is 2^-24), and the float32 GELU
-0.5 x (1 + tanh(...)) carries that as an absolute error of 0.5 |x| * 2^-22 (large relative to the GELU itself in
-its negative tail, where 1 + tanh cancels: a one-ulp tanh there halves or doubles the GELU), plus a relative 2^-21
-for its own roundings. So a kernel's float32 GELU lies within spread = |gelu| 2^-21 + |x| 2^-23 of the
-reference's, and its bfloat16 rounding between the roundings of the reference's float32 GELU moved down and up by
-that spread (rounding is monotone); the product with the up value rounded is monotone in the GELU, so the output
-lies between the roundings of those two GELUs times the up value. Almost every output is the reference's bit for
-bit (the test bounds how many are not).
+The bounds, one per rounding point of the reference:
+
+* Projections (``check_linear``): products of bfloat16 values are exact in float32, so a float32 accumulator of
+  K terms added in any order lies within (2K + 16) 2^-23 sum |a||b| of the exact sum (tests/test_gpu_bf16.py
+  derives it); the bfloat16 output is the kernel's own accumulator rounded, bit for bit, and lies between the
+  reference's roundings of its float32 sum moved down and up by twice that bound (rounding is monotone): either
+  neighbour where two correct sums straddle a rounding point.
+* Gated GELU: computed in float32 and rounded, then its product with the (bfloat16) up value rounded. The
+  kernel's tanhf (glibc's on cuda-sim, CUDA's on a GPU) and NumPy's tanh may differ by a few ulps; we allow 4,
+  i.e. 4 * 2^-24 = 2^-22 near |tanh| = 1, which the GELU 0.5 x (1 + tanh(...)) carries as an absolute
+  |x| 2^-23 (large against the GELU itself in its negative tail, where 1 + tanh cancels: there one ulp of tanh
+  halves or doubles the GELU), plus a relative 2^-21 for its own roundings. So the kernel's float32 GELU lies
+  within spread = |gelu| 2^-21 + |x| 2^-23 of the reference's, its rounding between the roundings of the
+  reference's GELU moved by that spread, and the rounded product (monotone in the GELU) between the two products.
+* Combination: float32 products and sums in the reference's order (ascending expert index), so exact.
+* ``expert_mix`` end to end: the steps above carried on intervals (``expert_mix_bounds``; the derivation is in
+  ``test_expert_mix_matches_the_bf16_reference``).
+
+Where order or tanh differences may move a value, the tests also bound how many outputs differ from the
+reference's at all (they are rare), and each check is shown to fail on a mutated kernel.
 """
 
 from __future__ import annotations
