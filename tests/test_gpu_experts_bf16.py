@@ -589,23 +589,49 @@ def _nvrtc_or_skip():
         pytest.fail("no libnvrtc loads (the test extra installs nvidia-cuda-nvrtc-cu12)")
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_grouped_gemm_compiles_to_tensor_core_mma_without_spills(arch):
+def compile_problems(text: str, arch: str) -> list[str]:
+    """What is wrong with the NVRTC build of ``text`` (moe_bf16.cu assembled) for ``arch``: [] when it runs its
+    4 mma tiles per warp and two k steps of 16 per block step as 8 tensor-core mma instructions (no fallback on
+    the CUDA cores), keeps its accumulators in registers (no spill, no stack frame), fits a block's registers,
+    and its static shared memory is cuda-sim's layout."""
     import re
 
-    _nvrtc_or_skip()
-    text = cb.assemble(MOE_SOURCE)
+    problems = []
     ptx = cb.nvrtc_ptx(text, arch)
-    # 4 mma tiles per warp, two k steps of 16 per block step: 8 mma instructions, no fallback on the CUDA cores
-    assert len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32\b", ptx)) == 8, ptx[-2000:]
-    assert "shfl.sync" not in ptx
+    mma = len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32\b", ptx))
+    if mma != 8 or "shfl.sync" in ptx:
+        problems.append(f"{mma} mma instructions, shuffles: {'shfl.sync' in ptx}")
     report = cb.compile_source(text, arch, compiler="nvrtc", name="moe_bf16.cu").kernels["dg_grouped_gemm_bf16"]
-    assert report.registers > 0 and not report.spills and report.stack_frame == 0
-    assert report.registers * gl.const("DG_MOE_BF16_THREADS") <= 65536
-    assert moe_library().static_shared["dg_grouped_gemm_bf16"] == report.shared_memory   # cuda-sim's layout
+    if not (report.registers > 0 and not report.spills and report.stack_frame == 0):
+        problems.append(f"registers {report.registers}, spills {report.spills}, stack frame {report.stack_frame}")
+    if report.registers * gl.const("DG_MOE_BF16_THREADS") > 65536:
+        problems.append(f"{report.registers} registers per thread")
+    if moe_library(text).static_shared["dg_grouped_gemm_bf16"] != report.shared_memory:
+        problems.append("cuda-sim's static shared memory differs from ptxas's")
+    return problems
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_grouped_gemm_compiles_to_tensor_core_mma_without_spills(arch):
+    _nvrtc_or_skip()
+    assert compile_problems(cb.assemble(MOE_SOURCE), arch) == []
+    report = cb.compile_source(cb.assemble(MOE_SOURCE), arch, compiler="nvrtc",
+                               name="moe_bf16.cu").kernels["dg_grouped_gemm_bf16"]
     # the released model's shapes: 128 experts, top-8, H 2816, I_e 704 (512 tokens)
     tiles, rows = gl.moe_rows(512, 8, 128)
     for n_out, k_dim in ((2 * 704, 2816), (2816, 704)):
         launch = gl.grouped_gemm_bf16(np.zeros((rows, k_dim), np.float32), np.zeros((128, n_out, k_dim), np.uint16),
                                       np.zeros(tiles, np.int32), np.zeros((rows, n_out), np.float32))
         assert gl.check_resources(launch, report.shared_memory, 1024, gl.SHARED_OPT_IN_LIMITS[arch], arch) == 0
+
+
+@pytest.mark.parametrize("name,old,new", [
+    ("no tensor cores", "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800", "#if 0"),
+    ("accumulators indexed at run time", "#pragma unroll\n            for (int ni = 0; ni < 4; ++ni) dg_mma_bf16_16816",
+     "#pragma unroll 1\n            for (int ni = 0; ni < 4; ++ni) dg_mma_bf16_16816"),
+])
+def test_compile_check_catches_a_broken_build(name, old, new):
+    _nvrtc_or_skip()
+    text = cb.assemble(MOE_SOURCE)
+    assert text.count(old) == 1, f"mutation {name!r} no longer applies: update it with the kernel"
+    assert compile_problems(text.replace(old, new), "sm_80"), name
