@@ -14,23 +14,34 @@ and written to ``DIR/bench_gpu_full.json`` and ``DIR/bench_gpu_full.md`` as soon
   lm_head reads the whole embedding), so ``weight bytes / copy rate``; and ``2 x multiply-adds per token x
   tokens / product rate`` (attention left out; per token: the dense weights, 8 of 128 experts, and the
   (V, H) table twice, the self-conditioning's probabilities and the lm_head), which binds at larger batches;
+* **ours, bfloat16** first (``fast.gpu.Model(..., dtype="bfloat16")``, issue #30: the matrices as bfloat16
+  bits on the device, multiplied on tensor cores; about 50 GB, which fits one H200): its ``Model`` takes host
+  NumPy arrays, so the weights are host views that cost almost no host memory: one random draw per tensor
+  kind shared by the 30 layers and one expert broadcast to all 128 (the router and the embedding are drawn
+  in full, so routing spreads as with real weights), ``ml_dtypes.bfloat16`` arrays. Then, in this order (the
+  steps are what the floors are about): one denoising step's model call (``denoise`` with
+  self-conditioning logits, left on the device) at batch 1, 2 and 8 after a prompt of the first prompt
+  length (1k), the commit of a finished canvas (an encoder call over its 256 tokens), tokens/s per user at
+  16 steps per canvas: ``256 / (16 x step + commit)``; the prefill of 1k / 8k / 32k prompt tokens; device
+  memory in use after each call. It leaves 90 s for the torch part (the two do not fit on the device at
+  once, so ours is freed first). Where ``fast.gpu.Model`` has no ``dtype`` yet the part is skipped with a
+  note saying so;
 * **torch bf16 eager**: transformers' ``DiffusionGemmaForBlockDiffusion`` created inside a
   ``torch.device("cuda")`` context in bfloat16, so transformers' own initialisation (normal, std 0.02;
   norms one) draws every weight on the device and nothing of the 50 GB passes through the host (while it
   is built, the encoder's layers exist next to the decoder's until transformers ties them: about 2x the
-  weights for a moment, reported as the build peak). Then: peak device memory, prefill of 1k / 8k / 32k
-  prompt tokens (one encoder call into an empty cache), one denoising step's model call (the decoder with
-  self-conditioning logits, the tied lm_head and the soft-cap) at batch 1, 2 and 8 after a prompt of the
-  first prompt length (1k), the commit of a finished canvas (an encoder call over its 256 tokens), and
-  tokens/s per user at 16 steps per canvas: ``256 / (16 x step + commit)``; the experts touched in the
-  first decoder layer and transformers' experts implementation are recorded;
-* **ours, float32** (``diffusiongemma.fast.gpu``: float32 only, no bfloat16 GPU path exists yet), where
-  it fits: its ``Model`` takes host NumPy arrays (it checks them for NaN and widens them on the host
-  before the upload), so the weights are host views that cost almost no host memory: one random draw per
-  tensor kind shared by the 30 layers and one expert broadcast to all 128 (the router and the embedding
-  are drawn in full, so routing spreads as with real weights); each tensor is materialised only while it
-  is checked and uploaded. When the device's free memory is below ``4 x parameters`` plus the step's
-  buffers it says "does not fit" with the arithmetic instead.
+  weights for a moment, reported as the build peak). Then: peak device memory, the same denoising steps,
+  commit and tokens/s, then the prefills; the experts touched in the first decoder layer and transformers'
+  experts implementation are recorded;
+* **ours, float32** last, where it fits: the same host views in float32 (widened and checked for NaN on the
+  host, about 101 GB on the device). When the device's free memory is below ``4 x parameters`` plus the
+  step's buffers it says "does not fit" with the arithmetic instead;
+* the **summary** (first in the Markdown): ours bfloat16's step against the bandwidth floor (target: within
+  1.5x) and against the larger floor, and ours bfloat16 against torch bf16 eager, step by step and prefill
+  by prefill (below 1: ours faster).
+
+Each part only starts while its expected time fits in what is left of ``--budget`` (a step: 15 s; a
+prefill: from the previous length's time), so the run ends in time and says what it skipped.
 
 Without a GPU it prints "no GPU: <reason>" and exits 2. ``--dry-run`` runs every part of the same code at
 tiny shapes on the CPU (torch on the CPU, ours on "cuda-sim"), which is what tests/test_bench_gpu_full.py
@@ -171,6 +182,35 @@ def _ms(seconds) -> str:
     return f"{seconds * 1e3:.2f}" if isinstance(seconds, (int, float)) else "-"
 
 
+def _x(value) -> str:
+    return f"{value:.2f}x" if isinstance(value, (int, float)) else "-"
+
+
+def render_summary(summary: dict) -> list[str]:
+    """The headline table: ours bfloat16 against the floors and torch bf16 eager (``summary()``)."""
+    lines = []
+    if summary.get("step"):
+        lines += ["### Ours bfloat16 against the floor and torch bf16 eager (targets: step within 1.5x of the "
+                  "bandwidth floor; ours / torch below 1)", "",
+                  "| batch | ours bf16 ms per step | bandwidth floor ms | step / bandwidth floor | within 1.5x | "
+                  "step / floor | torch bf16 ms | ours / torch bf16 |", "|---|---|---|---|---|---|---|---|"]
+        for b, row in summary["step"].items():
+            torch_ms = f"{row['torch_bf16_ms']:.2f}" if "torch_bf16_ms" in row else "-"
+            within = "yes" if row["within_1.5x_of_the_bandwidth_floor"] else "no"
+            lines.append(f"| {b} | {row['ours_ms']:.2f} | {row['bandwidth_floor_ms']:.2f} | "
+                         f"{_x(row['step_over_bandwidth_floor'])} | {within} | {_x(row['step_over_floor'])} | "
+                         f"{torch_ms} | {_x(row.get('ours_over_torch_bf16'))} |")
+        lines.append("")
+    if summary.get("prefill"):
+        lines += ["| prompt tokens | ours bf16 prefill ms | torch bf16 prefill ms | ours / torch bf16 |",
+                  "|---|---|---|---|"]
+        for n, row in summary["prefill"].items():
+            torch_ms = f"{row['torch_bf16_ms']:.2f}" if "torch_bf16_ms" in row else "-"
+            lines.append(f"| {n} | {row['ours_ms']:.2f} | {torch_ms} | {_x(row.get('ours_over_torch_bf16'))} |")
+        lines.append("")
+    return lines
+
+
 def render(data: dict) -> str:
     """The Markdown report of ``data`` (whatever parts it has so far)."""
     lines = ["## DiffusionGemma 26B-A4B, full shape, random weights (benchmarks/bench_gpu_full.py)", ""]
@@ -191,7 +231,9 @@ def render(data: dict) -> str:
                      f"matrix product: {rates.get('bf16_flops_per_s', 0) / 1e12:.0f} TFLOP/s; float32: "
                      f"{rates.get('fp32_flops_per_s', 0) / 1e12:.0f} TFLOP/s")
     lines.append("")
-    for key, title in (("torch_bf16", "torch bf16 eager (transformers)"), ("ours_fp32", "ours, float32")):
+    lines += render_summary(data.get("summary", {}))
+    for key, title in (("ours_bf16", "ours, bfloat16"), ("torch_bf16", "torch bf16 eager (transformers)"),
+                       ("ours_fp32", "ours, float32")):
         part = data.get(key)
         if not part:
             continue
@@ -386,30 +428,6 @@ def torch_section(results: Results, dev: TorchDevice, model_shape: TinySpec, par
                        **hf_cache_kwargs(cache))
         return cache
 
-    # ---- prefill
-    previous = None
-    for n in prompts:
-        need = predicted_ok(results, previous, n, reserve)
-
-        def prefill(n=n):
-            ids = prompt_ids(rng, 1, n, V)
-            dev.free()
-            dev.reset_peak()
-            if previous is None:
-                encode(ids)  # warm-up: kernels, cuBLAS heuristics
-            dev.sync()
-            t0 = time.perf_counter()
-            encode(ids)
-            dev.sync()
-            t = time.perf_counter() - t0
-            results.put(f"{key}/prefill/{n}", {"s": t, "tokens_per_s": n / t, "peak_gb": dev.peak_gb()})
-            return t
-
-        t = results.section(f"torch bf16 prefill {n}", prefill, need)
-        if t is None:
-            break
-        previous = (n, t)
-
     # ---- denoising steps
     touched = []
     routers = [m for m in hf.model.decoder.modules() if type(m).__name__.endswith("TextRouter")]
@@ -456,6 +474,30 @@ def torch_section(results: Results, dev: TorchDevice, model_shape: TinySpec, par
                 return t
 
             results.section(f"torch bf16 denoising step, batch {B}", step, reserve)
+
+        # ---- prefill (after the steps: those are what the floors are about)
+        previous = None
+        for n in prompts:
+            need = predicted_ok(results, previous, n, reserve)
+
+            def prefill(n=n):
+                ids = prompt_ids(rng, 1, n, V)
+                dev.free()
+                dev.reset_peak()
+                if previous is None:
+                    encode(ids)  # warm-up: kernels, cuBLAS heuristics
+                dev.sync()
+                t0 = time.perf_counter()
+                encode(ids)
+                dev.sync()
+                t = time.perf_counter() - t0
+                results.put(f"{key}/prefill/{n}", {"s": t, "tokens_per_s": n / t, "peak_gb": dev.peak_gb()})
+                return t
+
+            t = results.section(f"torch bf16 prefill {n}", prefill, need)
+            if t is None:
+                break
+            previous = (n, t)
     finally:
         if hook is not None:
             hook.remove()
@@ -464,50 +506,80 @@ def torch_section(results: Results, dev: TorchDevice, model_shape: TinySpec, par
 
 
 # ------------------------------------------------------------------------------------------------ ours
-def host_views(config, seed: int = 0) -> dict:
-    """Random float32 host tensors for every name of the format, at almost no host memory: matrices and
-    norms drawn once per tensor kind and shared by every layer (the same array object), one expert
-    broadcast to all experts (a read-only view); the router and the embedding drawn in full so that
-    tokens differ and route to different experts. Matrices have std 1/sqrt(fan-in), norms 1 + 0.1 N,
-    layer scalars 0.5 + U(0, 1)."""
+def host_views(config, seed: int = 0, dtype=np.float32) -> dict:
+    """Random host tensors of ``dtype`` (float32, or ``ml_dtypes.bfloat16``) for every name of the format, at
+    almost no host memory: matrices and norms drawn once per tensor kind and shared by every layer (the same
+    array object), one expert broadcast to all experts (a read-only view); the router and the embedding drawn
+    in full so that tokens differ and route to different experts. Matrices have std 1/sqrt(fan-in), norms
+    1 + 0.1 N, layer scalars 0.5 + U(0, 1); drawn in float32 and rounded to ``dtype``."""
     from diffusiongemma.reference.weights import expected_shapes
 
     rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+
+    def cast(array: np.ndarray) -> np.ndarray:
+        return array if array.dtype == dtype else array.astype(dtype)
+
     kinds: dict = {}
     tensors = {}
     for name, shape in expected_shapes(config).items():
         kind = name.split(".", 2)[2] if name.startswith("layers.") else name
         kind = f"{kind}{shape}"
         if name.endswith("router.proj") or name == "embed_tokens":
-            tensors[name] = rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(shape[-1]))
+            tensors[name] = cast(rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(shape[-1])))
             continue
         if kind not in kinds:
             if name.endswith("layer_scalar"):
-                kinds[kind] = np.float32(0.5) + rng.random(shape, dtype=np.float32)
+                kinds[kind] = cast(np.float32(0.5) + rng.random(shape, dtype=np.float32))
             elif len(shape) == 1:
-                kinds[kind] = np.float32(1) + np.float32(0.1) * rng.standard_normal(shape, dtype=np.float32)
+                kinds[kind] = cast(np.float32(1) + np.float32(0.1) * rng.standard_normal(shape, dtype=np.float32))
             elif len(shape) == 3:  # (E, out, in): one expert for all
                 one = rng.standard_normal((1,) + shape[1:], dtype=np.float32) / np.float32(math.sqrt(shape[-1]))
-                kinds[kind] = np.broadcast_to(one, shape)
+                kinds[kind] = np.broadcast_to(cast(one), shape)
             else:
-                kinds[kind] = rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(shape[-1]))
+                kinds[kind] = cast(rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(shape[-1])))
         tensors[name] = kinds[kind]
     return tensors
 
 
-def ours_section(results: Results, device_name: str, model_shape: TinySpec, params: dict, prompts, batches,
-                 reserve: float) -> None:
+def gpu_model_takes_dtype() -> bool:
+    """Whether ``fast.gpu.Model`` has the bfloat16 run yet (its ``dtype`` argument, issue #30)."""
+    import inspect
+
     from diffusiongemma.fast import gpu
-    key = "ours_fp32"
+
+    return "dtype" in inspect.signature(gpu.Model.__init__).parameters
+
+
+NO_BF16_YET = ("ours bfloat16: skipped: diffusiongemma.fast.gpu.Model has no dtype argument yet (the GPU "
+               "bfloat16 run of issue #30 is not in this checkout); the part runs as soon as it is")
+
+
+OURS = {  # dtype: (results key, title, bytes per weight, the product rate its floor uses)
+    "bfloat16": ("ours_bf16", "ours, bfloat16", 2, "bf16_flops_per_s"),
+    "float32": ("ours_fp32", "ours, float32", 4, "fp32_flops_per_s"),
+}
+
+
+def ours_section(results: Results, device_name: str, model_shape: TinySpec, params: dict, prompts, batches,
+                 reserve: float, dtype: str = "float32", keep: float = 0.0) -> None:
+    """``fast.gpu.Model(config, host views, device, dtype=dtype)``: its denoising steps at every batch (first:
+    what the floors are about), then the prefills; each part runs only while ``reserve`` + ``keep`` seconds
+    (``keep``: what the parts after this one need) are left besides its own expected time."""
+    from diffusiongemma.fast import gpu
+    key, title, width, flops_key = OURS[dtype]
     config = our_config(model_shape)
     C, V = config.canvas_length, config.vocab_size
-    weights = params["total"] * 4
+    weights = params["total"] * width
     step_bytes = max(batches) * C * V * 4 * 3  # logits, self-conditioning input, probabilities
     on_gpu = device_name.startswith("cuda") and device_name != "cuda-sim"
-    facts = {"dtype": "float32 (the only GPU path today; bf16 does not exist yet)", "device": device_name,
-             "weights_gb": round(weights / 1e9, 2),
-             "peak device GB column": "device memory in use after the call (total - free: CuPy's pool and "
-                                      "torch's context included), not a peak"}
+    facts = {"dtype": dtype, "device": device_name, "weights_gb": round(weights / 1e9, 2),
+             "peak device GB column": "device memory in use after the call (total - free: CuPy's pool, which "
+                                      "keeps the blocks it freed, so the most the run has held so far, and "
+                                      "torch's context included)"}
+    if dtype == "bfloat16":
+        facts["weights"] = ("bfloat16 host views (ml_dtypes.bfloat16), matrices kept as bfloat16 bits on the "
+                            "device and multiplied on tensor cores (float32 accumulation)")
     if on_gpu:
         import cupy
 
@@ -516,7 +588,7 @@ def ours_section(results: Results, device_name: str, model_shape: TinySpec, para
         facts.update(device_free_gb=round(free / 1e9, 2), device_total_gb=round(total / 1e9, 2),
                      needs_gb=round(need / 1e9, 2))
         if free < need:
-            facts["fits"] = (f"does not fit: {params['total'] / 1e9:.2f} B parameters x 4 bytes = "
+            facts["fits"] = (f"does not fit: {params['total'] / 1e9:.2f} B parameters x {width} bytes = "
                              f"{weights / 1e9:.1f} GB + {step_bytes / 1e9:.1f} GB of batch-{max(batches)} step "
                              f"buffers + 4.3 GB workspace > {free / 1e9:.1f} GB free")
             results.put(f"{key}/facts", facts)
@@ -524,17 +596,20 @@ def ours_section(results: Results, device_name: str, model_shape: TinySpec, para
         facts["fits"] = "yes"
     results.put(f"{key}/facts", facts)
     start = time.perf_counter()
-    tensors = host_views(config)
+    tensors = host_views(config, dtype=np.float32 if dtype == "float32" else np.dtype("bfloat16"))
     if device_name == "cuda-sim":
         from diffusiongemma.fast.gpu.sim import SimDevice
 
         device = SimDevice(checks=False)
     else:
         device = gpu.CupyDevice(device_name)
-    model = gpu.Model(config, tensors, device=device)
+    model = gpu.Model(config, tensors, device=device, **({} if dtype == "float32" else {"dtype": dtype}))
     del tensors
     device.synchronize()
-    facts["build_s (host views checked, widened and uploaded one by one)"] = round(time.perf_counter() - start, 1)
+    facts["build_s (host views checked, converted and uploaded)"] = round(time.perf_counter() - start, 1)
+    facts["the model's dtype (model.dtype)"] = str(getattr(model, "dtype", "float32 (no dtype attribute)"))
+    if isinstance(getattr(model, "weight_bytes", None), int):
+        facts["weights on the device (model.weight_bytes), GB"] = round(model.weight_bytes / 1e9, 2)
 
     def used_gb():
         if not on_gpu:
@@ -563,14 +638,14 @@ def ours_section(results: Results, device_name: str, model_shape: TinySpec, para
                 model._encode(commit_ids, cache, None, return_hidden=False)
                 sync()
                 commit = time.perf_counter() - t0
-                row = {"s": t, "commit_s": commit,
-                       **floors(params, 4, B * C, results.data["device_rates"], "fp32_flops_per_s")}
+                row = {"s": t, "commit_s": commit, **floors(params, width, B * C, results.data["device_rates"],
+                                                           flops_key)}
                 per_user = C / (STEPS_PER_CANVAS * t + commit)
                 row.update(tokens_per_s_per_user=per_user, tokens_per_s=B * per_user, peak_gb=used_gb())
                 results.put(f"{key}/step/{B}", row)
                 return t
 
-            results.section(f"ours float32 denoising step, batch {B}", step, reserve)
+            results.section(f"{title} denoising step, batch {B}", step, reserve + keep)
         previous = None
         for n in prompts:
             def prefill(n=n):
@@ -585,7 +660,7 @@ def ours_section(results: Results, device_name: str, model_shape: TinySpec, para
                 results.put(f"{key}/prefill/{n}", {"s": t, "tokens_per_s": n / t, "peak_gb": used_gb()})
                 return t
 
-            t = results.section(f"ours float32 prefill {n}", prefill, predicted_ok(results, previous, n, reserve))
+            t = results.section(f"{title} prefill {n}", prefill, predicted_ok(results, previous, n, reserve) + keep)
             if t is None:
                 break
             previous = (n, t)
@@ -596,6 +671,30 @@ def ours_section(results: Results, device_name: str, model_shape: TinySpec, para
             import cupy
 
             cupy.get_default_memory_pool().free_all_blocks()
+
+
+def summary(data: dict) -> dict:
+    """Ours bfloat16 against its floors and against torch bf16 eager, per batch and per prompt length
+    (whatever both sides measured): step / bandwidth floor (the target: at most 1.5), step / floor (the
+    larger of the bandwidth and compute floors), and ours / torch (below 1: ours faster)."""
+    ours, torch_ = data.get("ours_bf16", {}), data.get("torch_bf16", {})
+    out: dict = {"step": {}, "prefill": {}}
+    for B, row in ours.get("step", {}).items():
+        entry = {"ours_ms": row["s"] * 1e3, "bandwidth_floor_ms": row["bandwidth_floor_s"] * 1e3,
+                 "step_over_bandwidth_floor": row["s"] / row["bandwidth_floor_s"],
+                 "step_over_floor": row["s"] / row["floor_s"],
+                 "within_1.5x_of_the_bandwidth_floor": row["s"] <= 1.5 * row["bandwidth_floor_s"]}
+        theirs = torch_.get("step", {}).get(B)
+        if theirs:
+            entry.update(torch_bf16_ms=theirs["s"] * 1e3, ours_over_torch_bf16=row["s"] / theirs["s"])
+        out["step"][B] = entry
+    for n, row in ours.get("prefill", {}).items():
+        entry = {"ours_ms": row["s"] * 1e3}
+        theirs = torch_.get("prefill", {}).get(n)
+        if theirs:
+            entry.update(torch_bf16_ms=theirs["s"] * 1e3, ours_over_torch_bf16=row["s"] / theirs["s"])
+        out["prefill"][n] = entry
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -611,8 +710,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, help="layers in the released pattern (default 30; 6 with --dry-run)")
     parser.add_argument("--prompts", help="comma-separated prompt lengths (default 1024,8192,32768 / scale)")
     parser.add_argument("--batches", help="comma-separated batch sizes of the steps (default 1,2,8)")
-    parser.add_argument("--skip", choices=("torch", "ours"), action="append", default=[],
-                        help="leave out a part (repeatable)")
+    parser.add_argument("--skip", choices=("torch", "ours", "ours-bf16", "ours-fp32"), action="append", default=[],
+                        help="leave out a part (repeatable; ours: both of ours)")
     args = parser.parse_args(argv)
     scale = args.scale if args.scale is not None else (64 if args.dry_run else 1)
     layers = args.layers if args.layers is not None else (6 if args.dry_run else 30)
@@ -673,14 +772,27 @@ def main(argv=None) -> int:
     results.put("device_rates", rates or {"copy_bytes_per_s": NOMINAL_BANDWIDTH, "bf16_flops_per_s": 7.9e14,
                                           "fp32_flops_per_s": 6.7e13, "measured": False})
     reserve = 15.0 if big else 0.0
+    # in order of importance: ours bf16's steps (against the floors), torch bf16 eager's, then the prefills,
+    # ours float32 last (it may not fit, and its host build is the slowest); ours bf16 leaves time for torch's
+    # build and its first steps (both models do not fit on the device at once)
+    if "ours" not in args.skip and "ours-bf16" not in args.skip:
+        if gpu_model_takes_dtype():
+            results.section("ours bfloat16", lambda: ours_section(
+                results, ours_device, model_shape, params, prompts, batches, reserve, dtype="bfloat16",
+                keep=0 if "torch" in args.skip or not big else 90.0),
+                # the host build rounds every tensor to bfloat16 and packs it (about 50 GB)
+                need=150 if big else 0)
+        else:
+            results.note(NO_BF16_YET)
     if "torch" not in args.skip:
         results.section("torch bf16 eager", lambda: torch_section(results, dev, model_shape, params, prompts,
                                                                   batches, reserve), need=60 if big else 0)
-    if "ours" not in args.skip:
+    if "ours" not in args.skip and "ours-fp32" not in args.skip:
         results.section("ours float32", lambda: ours_section(results, ours_device, model_shape, params, prompts,
                                                              batches, reserve),
                         # its host build checks every expert tensor for NaN (about 3 GB a layer, 30 layers)
                         need=150 if big else 0)
+    results.put("summary", summary(results.data))
     results.note(f"finished with {results.left():.0f} s of the {args.budget:.0f} s budget left")
     return 0
 
