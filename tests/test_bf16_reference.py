@@ -11,9 +11,12 @@ read the same values. Three levels:
 * whole calls, teacher-forced (prompt encode, decoder step without and with self-conditioning, incremental
   encode, second canvas, each call on transformers' own cache and inputs): max |ours - transformers bf16|
   against max |transformers bf16 - transformers fp32| on the same inputs. The ratio is 0 on most calls; a
-  one-ulp flip that a near-tied top-K choice later amplifies can lift one call above 1/8, and with
-  transformers' expert choices replayed every call is within 1/4. The float32 reference scores about 1
-  (it models the float32 run), and a misplaced rounding lifts the median above 1/8;
+  one-ulp flip that a near-tied top-K choice later amplifies can lift one call above 1/8. Transformers is
+  not one bfloat16 run on the CPU either: with oneDNN off (``other_kernel``: torch's own matrix product,
+  another order of the same float32 sums) its run parts from its oneDNN run by more than 1/8 on about as
+  many calls as ours does. So a call above 1/8 must be within 1/8 of that other run, or within 1/4 with
+  transformers' expert choices replayed. The float32 reference scores about 1 (it models the float32
+  run), and a misplaced rounding lifts the median above 1/8;
 * free runs with transformers' draws replayed: the share of seeds whose tokens agree (information, printed;
   the assertion is only that the bfloat16 run agrees more often than the float32 one).
 """
@@ -84,18 +87,54 @@ class ReplayedRouting:
     """A ``router_top_k`` that returns transformers' expert choices, router call by router call."""
 
     def __init__(self, hf):
-        self.tape, self.i = [], 0
+        self.tape, self.i, self.recording = [], 0, True
         for module in hf.modules():
             if type(module).__name__ == "DiffusionGemmaTextRouter":
-                module.register_forward_hook(lambda m, a, out: self.tape.append(out[2].numpy().copy()))
+                module.register_forward_hook(self._record)
+
+    def _record(self, module, args, out):
+        if self.recording:
+            self.tape.append(out[2].numpy().copy())
+
+    @staticmethod
+    def paused(top_k):
+        """A context in which ``top_k``, if a ``ReplayedRouting``, records nothing (transformers' second run)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def pause():
+            if isinstance(top_k, ReplayedRouting):
+                top_k.recording = False
+            try:
+                yield
+            finally:
+                if isinstance(top_k, ReplayedRouting):
+                    top_k.recording = True
+        return pause()
 
     def __call__(self, probs, k):
         self.i += 1
         return self.tape[self.i - 1]
 
 
+def other_kernel(fn, *args):
+    """``fn(*args)`` with oneDNN off: transformers' bfloat16 run through torch's own CPU matrix product instead
+    of oneDNN's (AMX or AVX512-BF16 where the CPU has them). Same model, same inputs, same dtype: the two
+    differ only in the order of the float32 sums inside each product."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's flag context warns about Intel GPUs' TF32
+        with torch.backends.mkldnn.flags(enabled=False):
+            return fn(*args)
+
+
 def teacher_forced_ratios(spec: TinySpec, seed: int, path, ours_override=None, replay=False) -> list:
-    """[(call, max|ours - hf bf16|, max|hf bf16 - hf fp32|)] for the five calls (module notes)."""
+    """[(call, max|ours - hf bf16|, max|hf bf16 - hf fp32|, max|hf' bf16 - hf bf16|, max|ours - hf' bf16|)]
+    for the five calls (module notes); hf' is transformers' bfloat16 run on its other CPU kernel
+    (``other_kernel``), fed the same inputs and a copy of the same cache."""
+    import copy
+
     b16, f32, ours = load_three(save_bf16_valued(spec, seed, path))
     if ours_override is not None:
         ours = ours_override(ours)
@@ -108,30 +147,50 @@ def teacher_forced_ratios(spec: TinySpec, seed: int, path, ours_override=None, r
     cb, cf = hf_cache(b16), hf_cache(f32)
     rows = []
 
-    def row(name, mine, theirs, fp32):
-        mine, theirs, fp32 = (np.asarray(a, dtype=np.float64) for a in (mine, theirs, fp32))
-        rows.append((name, float(np.abs(mine - theirs).max()), float(np.abs(theirs - fp32).max())))
+    def row(name, mine, theirs, fp32, other):
+        mine, theirs, fp32, other = (np.asarray(a, dtype=np.float64) for a in (mine, theirs, fp32, other))
+        rows.append((name, float(np.abs(mine - theirs).max()), float(np.abs(theirs - fp32).max()),
+                     float(np.abs(other - theirs).max()), float(np.abs(mine - other).max())))
 
-    hb = hf_encode(b16, cb, prompt)
-    row("prompt encode", ours.encode(prompt, ours.new_cache(1)), hb, hf_encode(f32, cf, prompt))
+    def both(fn, *args):  # transformers on oneDNN (into cb), then on its other kernel (into a copy of cb)
+        spare = copy.deepcopy(cb)
+        theirs = fn(b16, cb, *args)
+        with_replay_off = ReplayedRouting.paused(ours.router_top_k)
+        with with_replay_off:
+            other = other_kernel(fn, b16, spare, *args)
+        return theirs, other
+
+    hb, ho = both(hf_encode, prompt)
+    row("prompt encode", ours.encode(prompt, ours.new_cache(1)), hb, hf_encode(f32, cf, prompt), ho)
     L = prompt.shape[1]
-    first = hf_denoise(b16, cb, canvas)
-    row("decoder step", ours.denoise(canvas, forced_cache(ours, cb, L)), first, hf_denoise(f32, cf, canvas))
+    first, fo = both(hf_denoise, canvas)
+    row("decoder step", ours.denoise(canvas, forced_cache(ours, cb, L)), first, hf_denoise(f32, cf, canvas), fo)
     sc = (first / np.float32(0.8)).astype(np.float32)  # generate casts it to bfloat16 (hf_denoise does too)
-    with_sc = hf_denoise(b16, cb, canvas, sc)
+    with_sc, wo = both(hf_denoise, canvas, sc)
     row("self-conditioned step", ours.denoise(canvas, forced_cache(ours, cb, L), sc), with_sc,
-        hf_denoise(f32, cf, canvas, sc))
+        hf_denoise(f32, cf, canvas, sc), wo)
     committed = np.argmax(with_sc, axis=-1)
     before = forced_cache(ours, cb, L)  # transformers' cache before it encodes the canvas
-    hb = hf_encode(b16, cb, committed)  # transformers first: a replayed routing reads its choices
-    row("incremental encode", ours.encode(committed, before), hb, hf_encode(f32, cf, committed))
-    hb = hf_denoise(b16, cb, canvas2)
-    row("second canvas", ours.denoise(canvas2, forced_cache(ours, cb, L + C)), hb, hf_denoise(f32, cf, canvas2))
+    hb, ho = both(hf_encode, committed)  # transformers first: a replayed routing reads its choices
+    row("incremental encode", ours.encode(committed, before), hb, hf_encode(f32, cf, committed), ho)
+    hb, ho = both(hf_denoise, canvas2)
+    row("second canvas", ours.denoise(canvas2, forced_cache(ours, cb, L + C)), hb, hf_denoise(f32, cf, canvas2), ho)
     return rows
 
 
 def ratio(row) -> float:
+    """max|ours - transformers bf16| / max|transformers bf16 - transformers fp32| of a row (call first)."""
     return row[1] / row[2] if row[2] > 0 else (0.0 if row[1] == 0 else np.inf)
+
+
+def other_ratio(row) -> float:
+    """The same ratio for transformers' bfloat16 run on its other CPU kernel in place of ours."""
+    return row[3] / row[2] if row[2] > 0 else (0.0 if row[3] == 0 else np.inf)
+
+
+def ratio_to_other(row) -> float:
+    """max|ours - transformers' other-kernel bf16 run| / the same gap."""
+    return row[4] / row[2] if row[2] > 0 else (0.0 if row[4] == 0 else np.inf)
 
 
 @pytest.fixture(autouse=True)
@@ -269,13 +328,19 @@ def test_b8_self_conditioning_and_b9_output(pair):
 # ------------------------------------------------------------------------------------------ whole calls
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_teacher_forced_calls_reproduce_the_bfloat16_run(config, tmp_path):
+    """Every call is within 1/8 of the bfloat16-float32 gap of transformers' bfloat16 run, on oneDNN or on its
+    other CPU kernel, or its departure is a near-tied expert choice (within 1/4 with transformers' choices
+    replayed). Transformers' two kernels themselves part by more than 1/8 on about as many calls as we do
+    (benchmarks/RESULTS_bf16.md): one bfloat16 rounding of a float32 sum taken in another order, amplified."""
     spec = CONFIGS[config]
     rows = [(seed,) + r for seed in SEEDS for r in teacher_forced_ratios(spec, seed, tmp_path / f"m{seed}")]
     ratios = np.array([ratio(r[1:]) for r in rows])
-    print(f"\n{config}: " + "  ".join(f"s{r[0]} {r[1]} {ratio(r[1:]):.3f}" for r in rows))
+    print(f"\n{config}: " + "  ".join(f"s{r[0]} {r[1]} {ratio(r[1:]):.3f} (transformers' other kernel "
+                                     f"{other_ratio(r[1:]):.3f})" for r in rows))
     assert np.median(ratios) <= 1 / 8, ratios
     assert np.mean(ratios <= 1 / 8) >= 0.8, ratios
-    for seed in sorted({r[0] for r, q in zip(rows, ratios) if q > 1 / 8}):  # explain each departure
+    unexplained = [r for r, q in zip(rows, ratios) if q > 1 / 8 and ratio_to_other(r[1:]) > 1 / 8]
+    for seed in sorted({r[0] for r in unexplained}):  # explain each departure
         again = teacher_forced_ratios(spec, seed, tmp_path / f"r{seed}", replay=True)
         assert all(ratio(r) <= 1 / 4 for r in again), (seed, again)  # a near-tied top-K flip, amplified
 
