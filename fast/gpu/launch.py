@@ -476,30 +476,33 @@ def attention_bf16_shared_bytes(row_tiles: int, d: int) -> int:
     """Dynamic shared memory of ``dg_attention_bf16`` for blocks of R = 16 * row_tiles (query, head) rows and head
     dim d (d16: d rounded up to 16; K = DG_ATTB_KEYS keys per tile): the tile's key positions and the rows' query
     positions (int64), the key flags and the rows' maxima and sums (4 bytes each), then 32-bit bf16 pairs: the
-    rows' queries and the tile's keys (rows of d16 / 2 + 4 pairs), the tile's values transposed (d16 rows of
-    K / 2 + 4 pairs), and the tile's float32 scores (R rows of K + 1; the weights' pairs reuse them)."""
+    rows' queries (rows of d16 / 2 + 4 pairs), the tile's keys (the same rows) or, in their place, its values
+    transposed (d16 rows of K / 2 + 4 pairs), and the tile's float32 scores (R rows of K + 1; the weights' pairs
+    reuse them)."""
     K = _attention_bf16_constants()["DG_ATTB_KEYS"]
     R, d16 = 16 * row_tiles, -(-d // 16) * 16
-    return 8 * (K + R) + 4 * (K + 2 * R) + 4 * ((R + K) * (d16 // 2 + 4) + d16 * (K // 2 + 4) + R * (K + 1))
+    return 8 * (K + R) + 4 * (K + 2 * R) + 4 * (R * (d16 // 2 + 4) + max(K * (d16 // 2 + 4), d16 * (K // 2 + 4))
+                                                + R * (K + 1))
 
 
 def attention_bf16_plan(S: int, r: int, d: int, budget: int = ATTENTION_SHARED_BUDGET) -> tuple[int, int]:
     """(row_tiles, shared bytes) of ``dg_attention_bf16`` for S queries, r query heads per KV head, head dim d.
 
     A block holds R = 16 * row_tiles of the S * r (query, head) rows of one KV head: the largest power of two
-    row_tiles <= DG_ATTB_MAX_ROW_TILES with row_tiles * d16 <= 32 * DG_ATTB_OUT_TILES (the 16 x 8 output tiles
-    of the 4 warps, held in registers; d16 = d rounded up to 16), halved while half as many rows cover S * r, and
-    whose shared memory fits ``budget``: head dims 512, 256, 128 and <= 64 get 16, 32, 64 and 128 rows
-    (93,632, 59,392, 46,208 and 47,488 bytes for d = 512, 256, 128, 64). Raises ``LaunchError`` for a head dim
-    outside 1..DG_MAX_HEAD_DIM or when one row tile does not fit ``budget``."""
+    row_tiles <= DG_ATTB_MAX_ROW_TILES whose R x d16 outputs (d16 = d rounded up to 16) fit the warps' registers
+    (row_tiles * d16 / 8 output tiles of 16 x 8, at most DG_ATTB_OUT_TILES per warp), halved while half as many
+    rows cover S * r, and whose shared memory fits ``budget``: head dims 512, 256 and <= 128 get 32, 64 and 128
+    rows (79,360, 64,128 and 64,384 bytes for d = 512, 256, 128). Raises ``LaunchError`` for a head dim outside
+    1..DG_MAX_HEAD_DIM or when one row tile does not fit ``budget``."""
     c, k = _attention_bf16_constants(), "dg_attention_bf16"
     if d <= 0 or d > const("DG_MAX_HEAD_DIM"):
         raise LaunchError(f"{k}: head dim {d} must be 1 to {const('DG_MAX_HEAD_DIM')}")
     if r < 1:
         raise LaunchError(f"{k}: {r} query heads per KV head (at least 1)")
     d16 = -(-d // 16) * 16
+    out_tiles = c["DG_ATTB_THREADS"] // 32 * c["DG_ATTB_OUT_TILES"]
     row_tiles = c["DG_ATTB_MAX_ROW_TILES"]
-    while row_tiles > 1 and (row_tiles * d16 > 32 * c["DG_ATTB_OUT_TILES"] or 8 * row_tiles >= S * r):
+    while row_tiles > 1 and (row_tiles * d16 // 8 > out_tiles or 8 * row_tiles >= S * r):
         row_tiles //= 2
     while attention_bf16_shared_bytes(row_tiles, d) > budget:
         if row_tiles == 1:

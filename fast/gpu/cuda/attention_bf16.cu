@@ -16,14 +16,15 @@
 // batch row n, one KV head j and R = 16 * row_tiles consecutive (query, head) rows of the S * r rows of that
 // head group (row = query * r + head in group; r = n_heads / n_kv), staged once in shared memory as bf16 pairs.
 // Keys go through shared memory DG_ATTB_KEYS at a time (a tile whose keys no row of the block can see is
-// skipped before its keys and values are read). Per tile, each of the 4 warps scores 8 keys against all R rows
-// with mma.sync m16n8k16 (bf16 in, float32 accumulate), rounds the scores to bfloat16 and masks them.
-//   pass 1: the scores go to shared memory, and 128 / R threads per row keep the row's running maximum m and
+// skipped before its keys and values are read). Per tile, the 8 warps score it with mma.sync m16n8k16 (bf16
+// in, float32 accumulate): warp w takes keys 8 (w % 4) .. 8 (w % 4) + 7 against the row tiles of parity w / 4;
+// the scores are rounded to bfloat16 and masked.
+//   pass 1: the scores go to shared memory, and 256 / R threads per row keep the row's running maximum m and
 //           running sum l = sum exp(s - m) (rescaled by exp(m_old - m_new) when the maximum grows);
 //   pass 2: the same scores again (the same instructions in the same order: the same bits), the weights
-//           p = bf16(exp(s - m) / l) (0 where invisible) go to shared memory as bf16 pairs, and O += P V on mma,
-//           the warps splitting the R x d outputs into 16 x 8 tiles (at most DG_ATTB_OUT_TILES per warp, in
-//           registers). The output is bf16(O).
+//           p = bf16(exp(s - m) / l) (0 where invisible) go to shared memory as bf16 pairs, the tile's values
+//           replace its keys in shared memory, and O += P V on mma, the warps splitting the R x d outputs into
+//           16 x 8 tiles (at most DG_ATTB_OUT_TILES per warp, in registers). The output is bf16(O).
 // The head dim is padded with zeros to a multiple of 16 in shared memory, so any d <= DG_MAX_HEAD_DIM works.
 //
 // Layouts (as dg_attention): q (N, S, n_heads, d); cache_k/v (B_c, n_kv, slots, d); cache_rows (N,) int32 (NULL:
@@ -31,16 +32,16 @@
 // new_pos (n_new,) int64; new_real (N, n_new) uint8; q_pos (S,) int64; out (N, S, n_heads * d).
 // Launch (fast/gpu/launch.py attention_bf16_plan): grid (max(ceil(S * r / R), 1), n_kv, max(N, 1)) (a block past
 // N or the rows returns at once), block DG_ATTB_THREADS, row_tiles a power of two <= DG_ATTB_MAX_ROW_TILES with
-// row_tiles * d16 <= 32 * DG_ATTB_OUT_TILES (d16: d rounded up to 16), dynamic shared memory
-// 8 * (K + R) + 4 * (K + 2 R) + 4 * (R * (d16 / 2 + 4) + K * (d16 / 2 + 4) + d16 * (K / 2 + 4) + R * (K + 1))
+// row_tiles * d16 / 8 <= 8 * DG_ATTB_OUT_TILES (d16: d rounded up to 16), dynamic shared memory
+// 8 * (K + R) + 4 * (K + 2 R) + 4 * (R * (d16 / 2 + 4) + max(K * (d16 / 2 + 4), d16 * (K / 2 + 4)) + R * (K + 1))
 // bytes for K = DG_ATTB_KEYS.
 
 #include "common.cuh"
 #include "bf16.cuh"
 
-// Threads of a block (4 warps; the kernel assumes exactly this many).
-#define DG_ATTB_THREADS 128
-// Keys per tile: 8 per warp, one mma column tile each.
+// Threads of a block (8 warps; the kernel assumes exactly this many).
+#define DG_ATTB_THREADS 256
+// Keys per tile: 4 mma column tiles of 8 keys, each scored by two warps (the even and the odd row tiles).
 #define DG_ATTB_KEYS 32
 // Most 16-row mma tiles of (query, head) rows in a block.
 #define DG_ATTB_MAX_ROW_TILES 8
@@ -56,7 +57,8 @@ __device__ __forceinline__ const float* dg_attb_row(const float* cache, const fl
 
 __device__ __forceinline__ unsigned short dg_attb_bits(float x) { return dg_float_to_bf16(x); }
 
-extern "C" __global__ void __launch_bounds__(DG_ATTB_THREADS)
+// At most 128 registers a thread (2 blocks of 8 warps fit an SM's 65,536 registers; no spills on sm_80/sm_90).
+extern "C" __global__ void __launch_bounds__(DG_ATTB_THREADS, 2)
 dg_attention_bf16(const float* q, const long long* q_pos, int N, int S, int n_heads, int d,
                   const float* cache_k_opt, const float* cache_v_opt, const int* cache_rows_opt, int n_cache,
                   int slots, const long long* slot_pos_opt, const unsigned char* cache_real_opt, int real_stride,
@@ -66,6 +68,7 @@ dg_attention_bf16(const float* q, const long long* q_pos, int N, int S, int n_he
     constexpr int K = DG_ATTB_KEYS, KP = K / 2, VS = KP + 4, SS = K + 1;
     extern __shared__ __align__(16) unsigned char dg_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int kt = warp & 3, parity = warp >> 2;    // the warp's 8 keys of a tile and its row tiles' parity
     const int r = n_heads / n_kv;
     const int n = blockIdx.z, j = blockIdx.y;
     const int R = 16 * row_tiles;
@@ -83,8 +86,9 @@ dg_attention_bf16(const float* q, const long long* q_pos, int N, int S, int n_he
     float* rl = rm + R;                             // (R,) row sum of exp(s - m)
     unsigned* qs = (unsigned*)(rl + R);             // (R, QS) queries, bf16 pairs along d
     unsigned* ks = qs + R * QS;                     // (K, QS) keys, bf16 pairs along d
-    unsigned* vt = ks + K * QS;                     // (d16, VS) values transposed, bf16 pairs along the keys
-    float* ss = (float*)(vt + d16 * VS);            // (R, SS) pass 1: the tile's scores
+    unsigned* vt = ks;                              // (d16, VS) pass 2, after the scores: values transposed, bf16
+                                                    // pairs along the keys (in the keys' place)
+    float* ss = (float*)(ks + max(K * QS, d16 * VS));  // (R, SS) pass 1: the tile's scores
     unsigned* ps = (unsigned*)ss;                   // (R, VS) pass 2: the tile's weights, bf16 pairs (aliases ss)
 
     for (int idx = threadIdx.x; idx < R * DP; idx += blockDim.x) {
@@ -115,7 +119,7 @@ dg_attention_bf16(const float* q, const long long* q_pos, int N, int S, int n_he
     // pass 1 statistics: threads tpr per row, each over K / tpr keys of a tile
     const int tpr = DG_ATTB_THREADS / R, srow = threadIdx.x / tpr, part = threadIdx.x - srow * tpr;
     float m_run = -dg_inf(), l_run = 0.0f;
-    // pass 2 outputs: tile u = warp + 4 ui of the (R / 16) x (d16 / 8) output tiles, row tile u / (d16 / 8)
+    // pass 2 outputs: tile u = warp + 8 ui of the (R / 16) x (d16 / 8) output tiles, row tile u / (d16 / 8)
     const int dtiles = d16 / 8, units = row_tiles * dtiles;
     float acc[DG_ATTB_OUT_TILES][4];
 #pragma unroll
@@ -158,41 +162,31 @@ dg_attention_bf16(const float* q, const long long* q_pos, int N, int S, int n_he
                 }
                 ks[tk * QS + p] = dg_bf16_pair(dg_attb_bits(x0), dg_attb_bits(x1));
             }
-            if (pass == 1) {
-                for (int idx = threadIdx.x; idx < KP * d16; idx += blockDim.x) {
-                    const int kp = idx / d16, c = idx - kp * d16, tk = 2 * kp;
-                    float x0 = 0.0f, x1 = 0.0f;
-                    if (c < d && kreal[tk])
-                        x0 = dg_attb_row(cache_v_opt, new_v_opt, t0 + tk, n_cache, crow, n, j, n_kv, slots, n_new,
-                                         d)[c];
-                    if (c < d && kreal[tk + 1])
-                        x1 = dg_attb_row(cache_v_opt, new_v_opt, t0 + tk + 1, n_cache, crow, n, j, n_kv, slots,
-                                         n_new, d)[c];
-                    vt[c * VS + kp] = dg_bf16_pair(dg_attb_bits(x0), dg_attb_bits(x1));
-                }
-            }
             __syncthreads();
 
-            // scores of the warp's 8 keys (tk = 8 warp + 2t, +1) against every row: S = Q K^T on mma
-            float sacc[DG_ATTB_MAX_ROW_TILES][4];
+            // scores of the warp's 8 keys (tk = 8 kt + 2t, +1) against its row tiles mi = parity + 2 i:
+            // S = Q K^T on mma
+            float sacc[DG_ATTB_MAX_ROW_TILES / 2][4];
 #pragma unroll
-            for (int mi = 0; mi < DG_ATTB_MAX_ROW_TILES; ++mi)
+            for (int i2 = 0; i2 < DG_ATTB_MAX_ROW_TILES / 2; ++i2)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) sacc[mi][i] = 0.0f;
-            const unsigned* kb = ks + (warp * 8 + g) * QS + t;
+                for (int i = 0; i < 4; ++i) sacc[i2][i] = 0.0f;
+            const unsigned* kb = ks + (kt * 8 + g) * QS + t;
             for (int kk = 0; kk < DP; kk += 8) {
                 const unsigned b[2] = {kb[kk], kb[kk + 4]};
 #pragma unroll
-                for (int mi = 0; mi < DG_ATTB_MAX_ROW_TILES; ++mi) {
-                    if (mi >= row_tiles) break;     // uniform
+                for (int i2 = 0; i2 < DG_ATTB_MAX_ROW_TILES / 2; ++i2) {
+                    const int mi = parity + 2 * i2;
+                    if (mi >= row_tiles) break;     // uniform across the warp
                     const unsigned* top = qs + (mi * 16 + g) * QS + kk + t;
                     const unsigned* bottom = top + 8 * QS;
                     const unsigned a[4] = {top[0], bottom[0], top[4], bottom[4]};
-                    dg_mma_bf16_16816(sacc[mi], a, b);
+                    dg_mma_bf16_16816(sacc[i2], a, b);
                 }
             }
 #pragma unroll
-            for (int mi = 0; mi < DG_ATTB_MAX_ROW_TILES; ++mi) {
+            for (int i2 = 0; i2 < DG_ATTB_MAX_ROW_TILES / 2; ++i2) {
+                const int mi = parity + 2 * i2;
                 if (mi >= row_tiles) break;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {       // rows g and g + 8 of the row tile
@@ -202,22 +196,22 @@ dg_attention_bf16(const float* q, const long long* q_pos, int N, int S, int n_he
                     float s[2];
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int tk = warp * 8 + 2 * t + e;
+                        const int tk = kt * 8 + 2 * t + e;
                         const long long pos = kpos[tk];
                         const bool vis = row_ok && kreal[tk] && (!causal || pos <= qp) &&
                                          (window <= 0 || pos > qp - window);
-                        s[e] = vis ? dg_bf16_to_float(dg_attb_bits(sacc[mi][2 * h + e])) : -dg_inf();
+                        s[e] = vis ? dg_bf16_to_float(dg_attb_bits(sacc[i2][2 * h + e])) : -dg_inf();
                     }
                     if (pass == 0) {
-                        ss[row * SS + warp * 8 + 2 * t] = s[0];
-                        ss[row * SS + warp * 8 + 2 * t + 1] = s[1];
+                        ss[row * SS + kt * 8 + 2 * t] = s[0];
+                        ss[row * SS + kt * 8 + 2 * t + 1] = s[1];
                     } else {
                         const float m = rm[row], l = rl[row];
                         unsigned short w[2];
 #pragma unroll
                         for (int e = 0; e < 2; ++e)
                             w[e] = s[e] == -dg_inf() ? (unsigned short)0 : dg_attb_bits(expf(s[e] - m) / l);
-                        ps[row * VS + warp * 4 + t] = dg_bf16_pair(w[0], w[1]);
+                        ps[row * VS + kt * 4 + t] = dg_bf16_pair(w[0], w[1]);
                     }
                 }
             }
@@ -238,12 +232,25 @@ dg_attention_bf16(const float* q, const long long* q_pos, int N, int S, int n_he
                 l_run = (m_run == -dg_inf() ? 0.0f : l_run * expf(m_run - m_new)) + sum;
                 m_run = m_new;
             } else {
-                // O += P V: the warp's output tiles, 16 keys per mma
+                // the tile's values in the keys' place (every warp has read its keys), then O += P V: the warp's
+                // output tiles, 16 keys per mma
+                for (int idx = threadIdx.x; idx < KP * d16; idx += blockDim.x) {
+                    const int kp = idx / d16, c = idx - kp * d16, tk = 2 * kp;
+                    float x0 = 0.0f, x1 = 0.0f;
+                    if (c < d && kreal[tk])
+                        x0 = dg_attb_row(cache_v_opt, new_v_opt, t0 + tk, n_cache, crow, n, j, n_kv, slots, n_new,
+                                         d)[c];
+                    if (c < d && kreal[tk + 1])
+                        x1 = dg_attb_row(cache_v_opt, new_v_opt, t0 + tk + 1, n_cache, crow, n, j, n_kv, slots,
+                                         n_new, d)[c];
+                    vt[c * VS + kp] = dg_bf16_pair(dg_attb_bits(x0), dg_attb_bits(x1));
+                }
+                __syncthreads();
 #pragma unroll
                 for (int kk = 0; kk < KP; kk += 8) {
 #pragma unroll
                     for (int ui = 0; ui < DG_ATTB_OUT_TILES; ++ui) {
-                        const int u = warp + 4 * ui;
+                        const int u = warp + 8 * ui;
                         if (u >= units) break;      // uniform
                         const int mi = u / dtiles, ni = u - mi * dtiles;
                         const unsigned* top = ps + (mi * 16 + g) * VS + kk + t;
@@ -264,7 +271,7 @@ dg_attention_bf16(const float* q, const long long* q_pos, int N, int S, int n_he
 
 #pragma unroll
     for (int ui = 0; ui < DG_ATTB_OUT_TILES; ++ui) {
-        const int u = warp + 4 * ui;
+        const int u = warp + 8 * ui;
         if (u >= units) break;
         const int mi = u / dtiles, ni = u - mi * dtiles;
 #pragma unroll
