@@ -202,9 +202,9 @@ class _TimedOps:
     def __getattr__(self, name):
         return getattr(self._ops, name)
 
-    def softcap(self, x, cap):
+    def softcap(self, x, cap, bf16=False):
         with self._profile.stage("output projection"):
-            return self._ops.softcap(x, cap)
+            return self._ops.softcap(x, cap, bf16)
 
 
 class StageProfile:
