@@ -9,10 +9,15 @@ copies its weights into ``fast.gpu.Model``, and times, with CUDA synchronisation
 * generate: one canvas of ``steps`` denoising steps with adaptive stopping off (every step runs) — ours
   through ``fast.gpu.generate``, transformers through ``model.generate``;
 
-for ours (fp32) and for transformers in fp32 and bf16 (the bf16 copy of the same weights), and, where they
-run on the machine, transformers under ``torch.compile`` and the transformers decoder pass captured as a
-CUDA graph (``torch.cuda.CUDAGraph``). It also reports the max |logit difference| of ours against
-transformers fp32 on the timed denoise call.
+for ours in fp32, ours in bf16 (``fast.gpu.Model(..., dtype="bfloat16")``: the same weights rounded to
+bfloat16 on load, issue #30; "not run" with the reason while the GPU model has no ``dtype``) and for
+transformers in fp32 and bf16 eager (the bf16 copy of the same weights), with the ratios ours fp32 / hf fp32
+and ours bf16 / hf bf16 and, per config, whether ours bf16 is ahead of transformers bf16 on encode,
+denoise and generate (the issue's target: all three); and, where they run on the machine, transformers
+under ``torch.compile`` and the transformers decoder pass captured as a CUDA graph
+(``torch.cuda.CUDAGraph``). It also reports the max |logit difference| of ours fp32 against transformers
+fp32 and of ours bf16 against transformers bf16 on the timed denoise call, with transformers bf16 against
+fp32 for scale.
 
 Sections before the transformers table, all in the same run:
 
@@ -32,6 +37,11 @@ Sections before the transformers table, all in the same run:
   2^-24 * sum |w_i x_i|, the same for ours and torch; a TF32 product (10-bit mantissa inputs) is ~2^-11
   relative, three orders of magnitude more. The table gives max |ours - f64|, max |torch fp32 - f64| and
   max |torch TF32 - f64| with max |logit| for scale.
+
+``--only-26b`` runs only the comparison at the 26B layer shapes (for a GPU session short of time:
+``python benchmarks/bench_gpu.py --only-26b --budget 300 --out bench_gpu_26b.md``). ``--dry-run`` runs that
+comparison's code without a GPU (torch on the CPU, ours on cuda-sim) at the same two-layer pattern with tiny
+sizes (``DRY_RUN``), one timed run each: the times mean nothing; tests/test_bench_gpu.py runs it.
 
 Every section is time-boxed against ``--budget`` seconds (default 85, the gpu_check.sh stage is 90 s) and
 skipped, saying so, when the budget is spent; a section that fails says why and the others still run.
@@ -58,6 +68,15 @@ LAYERS_26B = TinySpec(vocab_size=262_144, hidden_size=2816, intermediate_size=21
                       num_global_key_value_heads=2, head_dim=256, global_head_dim=512, num_experts=128,
                       top_k_experts=8, sliding_window=1024, canvas_length=256)
 
+LAYERS_26B_CONFIG = ("26B layer shapes x2 (S+F), vocab 262k, canvas 256", LAYERS_26B, 1024, 4)
+
+# --dry-run's stand-in for LAYERS_26B: the same two layers (sliding, full; full with K = V and wider heads),
+# every size small enough for torch on the CPU and ours on cuda-sim
+DRY_RUN = TinySpec(vocab_size=512, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                   layer_types=[SLIDING, FULL], num_attention_heads=4, num_key_value_heads=2,
+                   num_global_key_value_heads=1, head_dim=8, global_head_dim=16, num_experts=8, top_k_experts=2,
+                   sliding_window=8, canvas_length=8)
+DRY_RUN_PROMPT, DRY_RUN_STEPS = 16, 2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(ROOT, "diffusiongemma", "assets", "tiny-kjv")
@@ -270,10 +289,13 @@ def float64_bound(label, hf, hc_fn, denoise_fn, ours_logits) -> list[str]:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
     hf.to(torch.float64)
+    experts = hf.get_experts_implementation()
+    hf.set_experts_implementation("eager")  # torch's grouped matrix product takes no float64
     try:
         f64 = denoise_fn(hf, hc_fn(hf), torch.float64)().cpu().numpy()
     finally:
         hf.to(torch.float32)  # the fp32 weights come back exactly (they were float32 values)
+        hf.set_experts_implementation(experts)
     ours = np.asarray(ours_logits, dtype=np.float64)
     scale = float(np.abs(f64).max())
     return [f"| {label} | {np.abs(ours - f64).max():.2e} | {np.abs(fp32 - f64).max():.2e} | "
@@ -291,7 +313,7 @@ def hf_kwargs_cache(cache):
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 
 
-def build(spec: TinySpec, seed: int = 0):
+def build(spec: TinySpec, seed: int = 0, torch_device: str = "cuda"):
     import torch
     from transformers import DiffusionGemmaForBlockDiffusion
 
@@ -300,7 +322,7 @@ def build(spec: TinySpec, seed: int = 0):
     from diffusiongemma.weights_converter.names import hf_name
 
     torch.manual_seed(seed)
-    with torch.device("cuda"):
+    with torch.device(torch_device):
         hf = DiffusionGemmaForBlockDiffusion._from_config(hf_config(spec), dtype=torch.float32,
                                                           attn_implementation="sdpa")
     hf.eval()
@@ -316,20 +338,33 @@ def build(spec: TinySpec, seed: int = 0):
 
 
 def bench_config(label: str, spec: TinySpec, prompt_len: int, steps: int, device, budget: "Budget | None" = None,
-                 extras: dict | None = None) -> list[tuple]:
-    """Rows (config, operation, ours, hf fp32, hf bf16) of the table; ``extras`` (a dict) receives the
-    float64 bound's row ("f64"), the per-step breakdown's lines ("breakdown") and the torch.compile / CUDA
-    graph timings of the decoder pass ("compiled", "graphed": seconds, or the reason they did not run)."""
+                 extras: dict | None = None, torch_device: str = "cuda", repeats: int = 5) -> list[tuple]:
+    """Rows (config, operation, ours fp32, ours bf16, hf fp32, hf bf16) of the table (NaN where a part did not
+    run); ``extras`` (a dict) receives the float64 bound's row ("f64"), the per-step breakdown's lines
+    ("breakdown"), the torch.compile / CUDA graph timings of the decoder pass ("compiled", "graphed": seconds,
+    or the reason they did not run) and why ours bf16 did not run ("bf16_missing"). ``torch_device`` "cpu"
+    with ``device`` cuda-sim is the dry run (no CUDA graph, no torch.compile); ``repeats``: timed runs each."""
     extras = {} if extras is None else extras
     import torch
     from transformers import DynamicCache
 
     from diffusiongemma.fast import gpu
 
-    hf, config, tensors = build(spec)
+    on_cuda = torch_device == "cuda"
+    td = torch_device
+    hf, config, tensors = build(spec, torch_device=td)
     ours = gpu.Model(config, tensors, device=device)
+    ours16 = None  # the bfloat16 run of the same weights (rounded on load), where the GPU model has one
+    if gpu_model_takes_dtype():
+        ours16 = gpu.Model(config, tensors, device=device, dtype="bfloat16")
+    else:
+        extras["bf16_missing"] = NO_BF16_YET
     del tensors
-    sync = torch.cuda.synchronize
+    sync = torch.cuda.synchronize if on_cuda else device.synchronize
+
+    def timed(fn, n=repeats):
+        return best_of(fn, repeats=min(n, repeats), sync=sync)
+
     rng = np.random.default_rng(0)
     B, C, V = 1, spec.canvas_length, spec.vocab_size
     prompt = rng.integers(3, min(V, 1000), size=(B, prompt_len))
@@ -337,23 +372,25 @@ def bench_config(label: str, spec: TinySpec, prompt_len: int, steps: int, device
     rows = []
 
     # ---- encode
-    def ours_encode():
-        ours._encode(prompt, ours.new_cache(B), None, return_hidden=False)
+    def ours_encode(model):
+        return lambda: model._encode(prompt, model.new_cache(B), None, return_hidden=False)
 
     def hf_encode(model):
         def run():
             cache = DynamicCache(config=model.config.text_config)
             with torch.no_grad():
-                model.model.encoder.language_model(input_ids=torch.tensor(prompt, device="cuda"),
-                                                   position_ids=torch.arange(prompt_len, device="cuda")[None],
+                model.model.encoder.language_model(input_ids=torch.tensor(prompt, device=td),
+                                                   position_ids=torch.arange(prompt_len, device=td)[None],
                                                    **hf_kwargs_cache(cache))
             return cache
         return run
 
     hf_bf16 = None
-    results = {"ours": {}, "hf fp32": {}, "hf bf16": {}}
-    results["ours"]["encode"] = best_of(ours_encode, sync=sync)
-    results["hf fp32"]["encode"] = best_of(hf_encode(hf), sync=sync)
+    nan = float("nan")
+    results = {"ours": {}, "ours bf16": dict.fromkeys(("encode", "denoise", "generate"), nan), "hf fp32": {},
+               "hf bf16": {}}
+    results["ours"]["encode"] = timed(ours_encode(ours))
+    results["hf fp32"]["encode"] = timed(hf_encode(hf))
 
     # ---- denoise with self-conditioning
     cache = ours.new_cache(B)
@@ -365,20 +402,21 @@ def bench_config(label: str, spec: TinySpec, prompt_len: int, steps: int, device
     def hf_denoise(model, hcache, sc, dtype=torch.float32):
         def run():
             with torch.no_grad():
-                out = model.model.decoder(decoder_input_ids=torch.tensor(canvas, device="cuda"),
+                out = model.model.decoder(decoder_input_ids=torch.tensor(canvas, device=td),
                                           decoder_position_ids=torch.arange(prompt_len, prompt_len + C,
-                                                                            device="cuda")[None],
+                                                                            device=td)[None],
                                           self_conditioning_logits=sc.to(dtype) if sc.is_floating_point() and
                                           dtype == torch.float64 else sc, **hf_kwargs_cache(hcache))
                 logits = model.lm_head(out.last_hidden_state).to(dtype)
                 return 30.0 * torch.tanh(logits / 30.0)
         return run
 
-    sc_torch = torch.as_tensor(sc_dev, device="cuda")
-    results["ours"]["denoise"] = best_of(lambda: ours.denoise(canvas, cache, sc_dev, device_output=True), sync=sync)
-    results["hf fp32"]["denoise"] = best_of(hf_denoise(hf, hc, sc_torch), sync=sync)
+    sc_torch = torch.as_tensor(sc_dev, device=td)
+    results["ours"]["denoise"] = timed(lambda: ours.denoise(canvas, cache, sc_dev, device_output=True))
+    results["hf fp32"]["denoise"] = timed(hf_denoise(hf, hc, sc_torch))
     ours_logits = ours.denoise(canvas, cache, sc_dev)
-    diff = float(np.abs(ours_logits - hf_denoise(hf, hc, sc_torch)().cpu().numpy()).max())
+    hf_logits = hf_denoise(hf, hc, sc_torch)().cpu().numpy()
+    diff = float(np.abs(ours_logits - hf_logits).max())
 
     def section(name, fn, need=5.0):
         if budget is None:
@@ -388,6 +426,28 @@ def bench_config(label: str, spec: TinySpec, prompt_len: int, steps: int, device
                 return f"did not run: {type(error).__name__}: {str(error)[:200]}"
         out = budget.section(f"{label}: {name}", fn, need)
         return out
+
+    # ---- ours bf16 (the same weights rounded to bfloat16 on load): first of the optional parts, it is the
+    #      comparison the bf16 run is for (against transformers bf16 below)
+    gen_kwargs = dict(max_new_tokens=C, max_denoising_steps=steps, stability_threshold=None,
+                      confidence_threshold=None, eos_token_id=[], pad_token_id=None)
+    ours16_logits = None
+
+    def bf16_part():
+        nonlocal ours16_logits
+        r = results["ours bf16"]
+        r["encode"] = timed(ours_encode(ours16))
+        cache16 = ours16.new_cache(B)
+        ours16.encode(prompt, cache16)
+        r["denoise"] = timed(lambda: ours16.denoise(canvas, cache16, sc_dev, device_output=True))
+        ours16_logits = ours16.denoise(canvas, cache16, sc_dev)
+        r["generate"] = timed(lambda: gpu.generate(ours16, prompt, random=0, **gen_kwargs), 3)
+        return True
+
+    if ours16 is not None:
+        done = section("ours bf16", bf16_part, need=10.0)
+        if done is not True:
+            extras["bf16_missing"] = done or "skipped (time budget)"
 
     # ---- logits against float64 (transformers on the same weights in float64)
     extras["f64"] = section("logits vs float64", lambda: float64_bound(
@@ -406,8 +466,6 @@ def bench_config(label: str, spec: TinySpec, prompt_len: int, steps: int, device
             static()
         return best_of(graph.replay, sync=sync)
 
-    extras["graphed"] = section("transformers decoder pass as a CUDA graph", graphed)
-
     def compiled():
         fn = torch.compile(hf_denoise(hf, hc, sc_torch))
         start = time.perf_counter()
@@ -416,47 +474,123 @@ def bench_config(label: str, spec: TinySpec, prompt_len: int, steps: int, device
         first = time.perf_counter() - start
         return best_of(fn, sync=sync), first
 
-    extras["compiled"] = section("transformers decoder pass under torch.compile", compiled, need=30.0)
+    if on_cuda:  # neither means anything on the CPU of a dry run
+        extras["graphed"] = section("transformers decoder pass as a CUDA graph", graphed)
+        extras["compiled"] = section("transformers decoder pass under torch.compile", compiled, need=30.0)
     if extras.get("breakdown_wanted"):
         extras["breakdown"] = section("per-step breakdown", lambda: step_breakdown(label, ours, prompt, device))
 
     # ---- one canvas of generation, every step executed
-    gen_kwargs = dict(max_new_tokens=C, max_denoising_steps=steps, stability_threshold=None,
-                      confidence_threshold=None, eos_token_id=[], pad_token_id=None)
-    results["ours"]["generate"] = best_of(lambda: gpu.generate(ours, prompt, random=0, **gen_kwargs), repeats=3, sync=sync)
+    results["ours"]["generate"] = timed(lambda: gpu.generate(ours, prompt, random=0, **gen_kwargs), 3)
 
     def hf_generate(model):
         def run():
             with torch.no_grad():
                 # a confidence threshold no mean entropy can go below: every step runs, as in ours
-                model.generate(torch.tensor(prompt, device="cuda"), max_new_tokens=C, max_denoising_steps=steps,
+                model.generate(torch.tensor(prompt, device=td), max_new_tokens=C, max_denoising_steps=steps,
                                stability_threshold=1, confidence_threshold=1e-30)
         return run
 
     try:
-        results["hf fp32"]["generate"] = best_of(hf_generate(hf), repeats=3, sync=sync)
+        results["hf fp32"]["generate"] = timed(hf_generate(hf), 3)
     except Exception as error:  # the generate signature differs between transformers versions
-        results["hf fp32"]["generate"] = float("nan")
+        results["hf fp32"]["generate"] = nan
         print(f"  transformers generate failed: {error}")
 
     # ---- transformers bf16 (same weights, cast)
     hf_bf16 = hf.to(torch.bfloat16)
-    results["hf bf16"]["encode"] = best_of(hf_encode(hf_bf16), sync=sync)
+    results["hf bf16"]["encode"] = timed(hf_encode(hf_bf16))
     hc16 = hf_encode(hf_bf16)()
-    results["hf bf16"]["denoise"] = best_of(hf_denoise(hf_bf16, hc16, sc_torch.to(torch.bfloat16)), sync=sync)
+    hf16_denoise = hf_denoise(hf_bf16, hc16, sc_torch.to(torch.bfloat16))
+    results["hf bf16"]["denoise"] = timed(hf16_denoise)
+    hf16_logits = hf16_denoise().float().cpu().numpy()
+    diff16, scale16, ours_16_32 = nan, float(np.abs(hf16_logits - hf_logits).max()), nan
+    if ours16_logits is not None:
+        diff16 = float(np.abs(ours16_logits - hf16_logits).max())
+        ours_16_32 = float(np.abs(ours16_logits - ours_logits).max())
     try:
-        results["hf bf16"]["generate"] = best_of(hf_generate(hf_bf16), repeats=3, sync=sync)
+        results["hf bf16"]["generate"] = timed(hf_generate(hf_bf16), 3)
     except Exception as error:
-        results["hf bf16"]["generate"] = float("nan")
+        results["hf bf16"]["generate"] = nan
         print(f"  transformers bf16 generate failed: {error}")
-    del hf, hf_bf16, ours
-    torch.cuda.empty_cache()
+    del hf, hf_bf16, ours, ours16
+    if on_cuda:
+        torch.cuda.empty_cache()
 
     for op in ("encode", "denoise", "generate"):
-        t = results["ours"][op]
-        rows.append((label, op, t, results["hf fp32"][op], results["hf bf16"][op]))
-    rows.append((label, "max |logit diff| ours vs hf fp32", diff, float("nan"), float("nan")))
+        rows.append((label, op, results["ours"][op], results["ours bf16"][op], results["hf fp32"][op],
+                     results["hf bf16"][op]))
+    rows.append((label, "max |logit diff| ours fp32 vs hf fp32", diff, nan, nan, nan))
+    rows.append((label, "max |logit diff| ours bf16 vs hf bf16", nan, diff16, nan, nan))
+    rows.append((label, "max |logit diff| ours bf16 vs ours fp32", nan, ours_16_32, nan, nan))
+    rows.append((label, "max |logit diff| hf bf16 vs hf fp32 (bfloat16's own size, for scale)", nan, nan, nan,
+                 scale16))
     return rows
+
+
+def gpu_model_takes_dtype() -> bool:
+    """Whether ``fast.gpu.Model`` has the bfloat16 run yet (its ``dtype`` argument, issue #30)."""
+    import inspect
+
+    from diffusiongemma.fast import gpu
+
+    return "dtype" in inspect.signature(gpu.Model.__init__).parameters
+
+
+NO_BF16_YET = ("not run: diffusiongemma.fast.gpu.Model has no dtype argument yet (the GPU bfloat16 run of "
+               "issue #30 is not in this checkout)")
+
+
+def comparison_table(configs_rows: list[tuple]) -> list[str]:
+    """The table against transformers, and per config whether ours bf16 is ahead of transformers bf16 eager
+    on encode, denoise and generate (the issue's target: all three)."""
+    def ms(t):
+        return "-" if t != t else f"{t * 1e3:.2f} ms"
+
+    def x(a, b):
+        return "-" if a != a or b != b else f"{a / b:.2f}x"
+
+    table = ["### Against transformers (torch eager fp32 and bf16, same weights and inputs)", "",
+             "| config | operation | ours fp32 | ours bf16 | transformers fp32 | transformers bf16 | "
+             "ours fp32 / hf fp32 | ours bf16 / hf bf16 |", "|---|---|---|---|---|---|---|---|"]
+    verdicts = []
+    for label, rows in configs_rows:
+        ahead = []
+        for label_, op, ours, ours16, hf32, hf16 in rows:
+            if op.startswith("max"):  # one number, in the column of the run it is about
+                cells = ["" if v != v else f"{v:.2e}" for v in (ours, ours16, hf32, hf16)]
+                table.append(f"| {label_} | {op} | {' | '.join(cells)} | | |")
+                continue
+            table.append(f"| {label_} | {op} | {ms(ours)} | {ms(ours16)} | {ms(hf32)} | {ms(hf16)} | "
+                         f"{x(ours, hf32)} | {x(ours16, hf16)} |")
+            if ours16 == ours16 and hf16 == hf16:
+                ahead.append(f"{op} {'yes' if ours16 < hf16 else 'NO'} ({ours16 / hf16:.2f}x)")
+        if ahead:
+            met = all(" yes " in a for a in ahead) and len(ahead) == 3
+            verdicts.append(f"- {label}: ours bf16 ahead of transformers bf16 eager (target: on all three): "
+                            f"{'; '.join(ahead)}; target {'met' if met else 'NOT met'}")
+    return table + [""] + verdicts
+
+
+def dry_run(report: Report, budget: Budget) -> int:
+    """The comparison against transformers (``bench_config``: ours fp32 and bf16, transformers fp32 and bf16,
+    the float64 bound) on ``DRY_RUN``, torch on the CPU and ours on cuda-sim, one timed run each: every line
+    of that code runs without a GPU (the times mean nothing). 0 when the table was made, 1 otherwise."""
+    from diffusiongemma.fast.gpu.sim import SimDevice
+
+    label = "dry run: 26B layer pattern (S+F) at tiny sizes, torch CPU, ours cuda-sim"
+    report.add("## GPU benchmark (benchmarks/bench_gpu.py --dry-run: no GPU, times mean nothing)", "",
+               machine_facts(), "")
+    extras: dict = {}
+    rows = budget.section("benchmarking the dry run", lambda: bench_config(
+        label, DRY_RUN, DRY_RUN_PROMPT, DRY_RUN_STEPS, SimDevice(checks=False), budget, extras,
+        torch_device="cpu", repeats=1), need=0.0)
+    others = [f"- ours bf16 {extras['bf16_missing']}"] if extras.get("bf16_missing") else []
+    report.add(*comparison_table([(label, rows or [])]), "", *others, "")
+    if isinstance(extras.get("f64"), list):
+        report.add("| config | ours fp32 | torch fp32 | torch TF32 | ours vs torch fp32 | max abs logit |",
+                   "|---|---|---|---|---|---|", *extras["f64"], "")
+    return 0 if rows else 1
 
 
 def main(argv=None) -> int:
@@ -467,12 +601,19 @@ def main(argv=None) -> int:
                         help="also count the shipped model's transfers and launches on cuda-sim (runs without a GPU)")
     parser.add_argument("--budget", type=float, default=85.0, help="seconds for the whole run (default 85)")
     parser.add_argument("--tokens", type=int, default=1024, help="new tokens of the shipped model's run")
+    parser.add_argument("--only-26b", action="store_true",
+                        help="only the comparison at the 26B layer shapes (ours fp32 and bf16 against transformers)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="only the comparison against transformers, at the 26B layer pattern's tiny "
+                             "stand-in (DRY_RUN), torch on the CPU and ours on cuda-sim: no GPU needed")
     args = parser.parse_args(argv)
 
     from diffusiongemma.fast import gpu
 
     report = Report(args.out)
     budget = Budget(args.budget, report)
+    if args.dry_run:
+        return dry_run(report, budget)
     ok, reason = gpu.gpu_available()
     report.add("## GPU benchmark (benchmarks/bench_gpu.py)", "", machine_facts(), reason if ok else f"no GPU: {reason}",
                "")
@@ -482,6 +623,8 @@ def main(argv=None) -> int:
         print(f"no GPU: {reason}")
         return 0 if args.counts else 1
     device = gpu.CupyDevice("cuda")
+    if args.only_26b:
+        return layer_comparison(report, budget, [LAYERS_26B_CONFIG], device, breakdown=False)
     budget.section("shipped model end to end", lambda: report.add(*shipped_end_to_end(device, args.tokens)))
     budget.section("counts on the GPU", lambda: report.add(*counts_table("cuda")))
 
@@ -495,23 +638,24 @@ def main(argv=None) -> int:
     budget.section("per-step breakdown, shipped model", shipped_breakdown)
     configs = [("medium (hidden 1024, 4 layers, vocab 32k, canvas 128)", MEDIUM, MEDIUM_PROMPT, 8)]
     if not args.quick:
-        configs.append(("26B layer shapes x2 (S+F), vocab 262k, canvas 256", LAYERS_26B, 1024, 4))
-    table = ["### Against transformers (torch eager fp32 and bf16, same weights and inputs)", "",
-             "| config | operation | ours fp32 | transformers fp32 | transformers bf16 | ours / hf fp32 |",
-             "|---|---|---|---|---|---|"]
-    f64_rows, others = [], []
+        configs.append(LAYERS_26B_CONFIG)
+    return layer_comparison(report, budget, configs, device)
+
+
+def layer_comparison(report: Report, budget: Budget, configs: list[tuple], device, breakdown: bool = True) -> int:
+    """``bench_config`` for each (label, spec, prompt length, steps) of ``configs`` (the first one also gets
+    the per-step breakdown if ``breakdown``), then the table against transformers and the float64 one."""
+    configs_rows, others = [], []
+    f64_rows = []
     for index, (label, spec, prompt, steps) in enumerate(configs):
-        extras = {"breakdown_wanted": index == 0}
+        extras = {"breakdown_wanted": breakdown and index == 0}
         rows = budget.section(f"benchmarking {label}", lambda: bench_config(label, spec, prompt, steps, device,
                                                                             budget, extras), need=20.0)
-        for label_, op, ours, hf32, hf16 in rows or []:
-            if op.startswith("max"):
-                table.append(f"| {label_} | {op} | {ours:.2e} | | | |")
-            else:
-                table.append(f"| {label_} | {op} | {ours * 1e3:.2f} ms | {hf32 * 1e3:.2f} ms | {hf16 * 1e3:.2f} ms "
-                             f"| {ours / hf32:.2f}x |")
+        configs_rows.append((label, rows or []))
         if isinstance(extras.get("f64"), list):
             f64_rows += extras["f64"]
+        if extras.get("bf16_missing"):
+            others.append(f"- {label}: ours bf16 {extras['bf16_missing']}")
         if isinstance(extras.get("graphed"), float):
             others.append(f"- {label}: transformers fp32 decoder pass replayed as a CUDA graph: "
                           f"{extras['graphed'] * 1e3:.2f} ms")
@@ -521,6 +665,7 @@ def main(argv=None) -> int:
                           f"(first call, compiling: {first:.1f} s)")
         if isinstance(extras.get("breakdown"), list):
             others += [""] + extras["breakdown"]
+    table = comparison_table(configs_rows)
     report.add(*table, "", *others, "")
     if f64_rows:
         report.add("### Logits against float64 (max |difference| on one decoder pass with self-conditioning)", "",
