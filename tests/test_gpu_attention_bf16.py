@@ -231,6 +231,19 @@ def test_matches_the_bf16_reference(name):
         assert np.all(got[1] == 0) and np.any(got[0] != 0)
 
 
+@pytest.mark.parametrize("name", ["decoder rows r=4 d=64", "sliding window r=4 d=64", "padding queries"])
+def test_the_cases_are_the_calls_the_float32_kernel_answers(name):
+    """The same calls through ``gl.attention`` (``dg_attention``, the float32 kernel the GPU model runs and
+    tests/test_gpu_equivalence.py checks against the reference model) agree with ``attend`` in float32 on the
+    reference inputs built here: so the keys and visibility these tests give the reference are the model's."""
+    case = Case(np.random.default_rng(sorted(CASES).index(name)), **CASES[name])
+    dev = SimDevice()
+    out = dev.to_device(np.full((case.N, case.S, case.nh * case.d), np.nan, f32))
+    dev.launch(gl.attention(*case.launch_args(dev, out)))
+    keys, values, visible = case.reference_inputs()
+    np.testing.assert_allclose(dev.to_host(out), attend(case.q, keys, values, visible), rtol=1e-5, atol=1e-5)
+
+
 def test_a_long_prompt_on_the_tiled_path():
     """A 330-token chunk after 40 cached positions of a sliding layer (window 64) and a 300-token first chunk
     of a full layer: 11 and 10 key tiles, several row blocks, tiles skipped by the causal mask and the window."""
