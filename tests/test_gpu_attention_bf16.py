@@ -293,7 +293,8 @@ MUTATIONS = {
     "float32 scores": ("s[e] = vis ? dg_bf16_to_float(dg_attb_bits(sacc[i2][2 * h + e])) : -dg_inf();",
                        "s[e] = vis ? sacc[i2][2 * h + e] : -dg_inf();"),
     # the normalised weights truncated to bfloat16 instead of rounded before P V
-    "weights truncated": ("dg_attb_bits(expf(s[e] - m) / l)", "(unsigned short)(__float_as_uint(expf(s[e] - m) / l) >> 16)"),
+    "weights truncated": ("dg_attb_bits(expf(s[e] - m) / l)",
+                          "(unsigned short)(__float_as_uint(expf(s[e] - m) / l) >> 16)"),
     # the output left unrounded
     "float32 output": ("dg_bf16_to_float(dg_attb_bits(acc[ui][i]))", "acc[ui][i]"),
     # the sliding window one key wider, the causal mask one key narrower
