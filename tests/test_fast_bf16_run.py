@@ -396,6 +396,60 @@ def test_generate_self_conditions_like_the_reference_loop(capsys):
     assert sum(fast_ref) >= sum(fp32_ref)
 
 
+def test_generate_rows_finishing_apart_and_given_self_conditioning():
+    """Two rows, the first canvas's self-conditioning logits given, rows that finish at different steps (the
+    fast backend then decodes a subset of rows, whose SC inputs stay frozen; the confidence bound is placed
+    midway between two observed mean entropies, so no decision is a near tie): the reference's loop on the
+    same fast bfloat16 model gives the same tokens, steps and forward passes."""
+    config = make_config()
+    tensors = random_tensors(config, 2, self_conditioning_gain=1e-3, final_norm_gain=20.0)  # peaked
+    mine = fast.Model(config, dict(tensors), dtype="bfloat16")
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(3, config.vocab_size, (2, 9))
+    sc = (rng.standard_normal((2, config.canvas_length, config.vocab_size)) * 4).astype(np.float32)
+    entropies = []
+
+    class Seen:
+        def on_step(self, info):
+            entropies.append(float(np.asarray(info.entropies)[0].mean()))
+
+        def on_canvas(self, info):
+            pass
+
+    settings = dict(random=SeededDraws(5), max_denoising_steps=10, stability_threshold=0, self_conditioning_logits=sc)
+    generate(mine, prompt, max_new_tokens=16, confidence_threshold=1e-30, callback=Seen(), **settings)
+    values = np.unique(entropies)
+    gamma = float((values[len(values) // 2] + values[len(values) // 2 + 1]) / 2)  # row 0 stops mid-way
+    runs = [generate(mine, prompt, max_new_tokens=32, confidence_threshold=gamma,
+                     **dict(settings, random=SeededDraws(5)), **kw) for kw in ({}, {"denoiser": mine.denoise})]
+    assert np.array_equal(runs[0].sequences, runs[1].sequences)
+    assert runs[0].steps_per_canvas == runs[1].steps_per_canvas
+    assert np.array_equal(runs[0].forward_passes, runs[1].forward_passes)
+    assert len(set(runs[0].forward_passes.tolist())) > 1, "rows should stop at different steps"
+
+
+def test_decoding_a_subset_of_rows_is_the_whole_batch_rows():
+    """``decode_rows`` on rows 0 and 2 of 3 (the generate backend once a row has finished: one soft-embedding
+    product per row, the probabilities rounded row by row) gives those rows of ``denoise``'s logits bit for
+    bit (the same products row by row: BLAS sums each output in the same order)."""
+    config = make_config()
+    model = fast.Model(config, random_tensors(config, 4), dtype="bfloat16")
+    rng = np.random.default_rng(4)
+    B, C, V = 3, config.canvas_length, config.vocab_size
+    canvas = rng.integers(0, V, (B, C))
+    cache = model.new_cache(B)
+    model.encode(rng.integers(3, V, (B, 11)), cache)
+    sc = (rng.standard_normal((B, C, V)) * 4).astype(np.float32)
+    whole = model.denoise(canvas, cache, sc)
+    probs = rb(sc)  # B8: the logits cast to bfloat16, softmaxed in float32 (the backend's buffer)
+    for b in range(B):
+        K.softmax(probs[b], probs[b])
+    logits = np.zeros((B, C, V), np.float32)
+    rows = np.array([0, 2])
+    model.decode_rows(canvas[rows], rows, cache, probs, logits)
+    assert np.array_equal(bits(logits[rows]), bits(whole[rows])) and not logits[1].any()
+
+
 # ------------------------------------------------------------------------------------------ float32, loading
 def test_float32_stays_the_default_and_unchanged():
     config = make_config()
