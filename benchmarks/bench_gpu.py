@@ -43,8 +43,8 @@ Sections before the transformers table, all in the same run:
 comparison's code without a GPU (torch on the CPU, ours on cuda-sim) at the same two-layer pattern with tiny
 sizes (``DRY_RUN``), one timed run each: the times mean nothing; tests/test_bench_gpu.py runs it.
 
-Every section is time-boxed against ``--budget`` seconds (default 85, the gpu_check.sh stage is 90 s) and
-skipped, saying so, when the budget is spent; a section that fails says why and the others still run.
+Every section is time-boxed against ``--budget`` seconds (default 85; gpu_check.sh passes 60 to its 65 s
+stage) and skipped, saying so, when the budget is spent; a section that fails says why and the others still run.
 Without a GPU it prints "no GPU: <reason>" and exits 1 (0 with ``--counts``, after the cuda-sim counts).
 Results go to stdout and, with --out, to a Markdown file.
 """
