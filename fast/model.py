@@ -153,7 +153,7 @@ class Model:
         self.xp = CPU_ARRAYS  # NumPy with the products on the kernels' tiled BLAS calls (fast.blas)
         self.ops = _kernels
         packed = pack(config, tensors, experts=functools.partial(ExpertPanels.from_weights, keep_bf16=keep_bf16),
-                      release=release_tensors, keep_bf16=keep_bf16)
+                      release=release_tensors, keep_bf16=keep_bf16, keep_bf16_embedding=self.bf16)
         self.embed_tokens, self.final_norm = packed.embed_tokens, packed.final_norm  # (V, H), (H,)
         self.sc_pre_norm, self.sc_gate_up, self.sc_down = packed.sc_pre_norm, packed.sc_gate_up, packed.sc_down
         self.layers = packed.layers
@@ -328,7 +328,7 @@ class Model:
                 xp.matmul(hn[i * C:(i + 1) * C], self.embed_tokens.T, out=logits[row])
                 bad += ops.softcap(logits[row], self._cap, self.bf16)
         if bad:  # the cap turned the infinities into +-c: recompute the raw logits for the message
-            raw = np.ascontiguousarray(hn @ self.embed_tokens.T, dtype=np.float32)
+            raw = np.ascontiguousarray(hn @ widen(self.embed_tokens).T, dtype=np.float32)
             if self.bf16:
                 ops.round_bf16(raw)
             raise self._non_finite("denoise", "the logits before the soft-cap", raw.reshape(N, C, -1), None)
@@ -435,7 +435,32 @@ class CpuOps:
         return self.ws.get(name, shape, dtype)
 
     def embed(self, ids: np.ndarray, table: np.ndarray, signal, normed: bool, out: np.ndarray) -> None:
+        if is_bfloat16(table):  # the bfloat16 run's embedding held bfloat16: the rows read, widened (exact)
+            N = ids.shape[0]
+            rows = self.ws.get("embed_rows", (N, table.shape[1]))
+            np.copyto(rows, table[ids])
+            ids, table = self.ws.get("embed_row_ids", (N,), np.int64), rows
+            ids[:] = np.arange(N)
         self.model.ops.embed(ids, table, self.embed_scale, signal, normed, self.eps, out, self.bf16)
+
+    def _soft_embedding(self, probs: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
+        """``out = probs @ table`` for probs (M, V) float32 C-contiguous and a bfloat16 table (V, H): blocks of
+        ``SOFT_EMBEDDING_BLOCK`` vocabulary rows widened (exact) into a buffer and multiplied on the tiled
+        BLAS, the blocks' float32 products summed in order (another summation order than one product over
+        V: float32 rounding, below the bfloat16 rounding that follows)."""
+        ws, xp = self.ws, self.model.xp
+        (M, V), H = probs.shape, table.shape[1]
+        for v0 in range(0, V, SOFT_EMBEDDING_BLOCK):
+            n = min(V, v0 + SOFT_EMBEDDING_BLOCK) - v0
+            wide, part = ws.get("soft_embedding_rows", (n, H)), ws.get("soft_embedding_probs", (M, n))
+            np.copyto(wide, table[v0:v0 + n])
+            np.copyto(part, probs[:, v0:v0 + n])
+            if v0 == 0:
+                xp.matmul(part, wide, out=out)
+            else:
+                partial = ws.get("soft_embedding_partial", (M, H))
+                xp.matmul(part, wide, out=partial)
+                xp.add(out, partial, out=out)
 
     def probs_times_embedding(self, probs: np.ndarray, rows: np.ndarray, C: int, table: np.ndarray,
                               out: np.ndarray) -> None:
@@ -443,16 +468,17 @@ class CpuOps:
         order, else one per row. In bfloat16 the probabilities are rounded first, in place (the caller's
         buffer is consumed by this pass), and the product is rounded (B8)."""
         xp, ops, N = self.model.xp, self.model.ops, rows.shape[0]
+        product = self._soft_embedding if is_bfloat16(table) else lambda a, b, c: xp.matmul(a, b, out=c)
         if probs.shape[0] == N and bool(np.array_equal(rows, np.arange(N))):
             flat = probs.reshape(N * C, -1)
             if self.bf16:
                 ops.round_bf16(flat)
-            xp.matmul(flat, table, out=out)
+            product(flat, table, out)
         else:
             for i, row in enumerate(rows):
                 if self.bf16:
                     ops.round_bf16(probs[row])
-                xp.matmul(probs[row], table, out=out[i * C:(i + 1) * C])
+                product(probs[row], table, out[i * C:(i + 1) * C])
         if self.bf16:
             ops.round_bf16(out)
 
@@ -540,6 +566,7 @@ class CpuOps:
 
 
 _ONE = np.float32(1.0)
+SOFT_EMBEDDING_BLOCK = 8192  # vocabulary rows of a bfloat16 embedding widened at a time (CpuOps._soft_embedding)
 
 
 def _round_bf16(value: np.float32) -> np.float32:

@@ -92,7 +92,7 @@ class PackedWeights:
 def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
          upload: Callable[[np.ndarray], Any] = lambda array: array,
          experts: Callable[[Any, Any], Any] | None = None, release: bool = False,
-         keep_bf16: bool = False) -> PackedWeights:
+         keep_bf16: bool = False, keep_bf16_embedding: bool = False) -> PackedWeights:
     """Repack checked ``tensors`` (``reference.weights.check_tensors``) into the fast layout.
 
     upload: called on every float32 host array; returns what the model keeps (a device array on a GPU).
@@ -102,6 +102,8 @@ def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
     dropped from it once repacked, so that a load holds the checkpoint's copy of one layer at most.
     keep_bf16: a matrix of ``MATRICES_KEPT_BF16`` whose tensors are all bfloat16 stays bfloat16 (host
     arrays, C-contiguous, handed to ``upload`` too); otherwise everything is widened to float32.
+    keep_bf16_embedding: with ``keep_bf16``, a bfloat16 ``embed_tokens`` stays bfloat16 too (the CPU's
+    bfloat16 run, whose soft-embedding product need not be the float32 path's bit for bit).
     """
     t = _Widened(tensors)  # float32 values, quantized tensors dequantized (t.raw: as given)
     put = lambda array: upload(host_float32(array))  # noqa: E731
@@ -138,7 +140,10 @@ def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
         )
 
     return PackedWeights(
-        embed_tokens=put(t["embed_tokens"]), final_norm=put(t["final_norm"]),
+        embed_tokens=(upload(np.ascontiguousarray(tensors["embed_tokens"]))
+                      if keep_bf16 and keep_bf16_embedding and is_bfloat16(tensors["embed_tokens"])
+                      else put(t["embed_tokens"])),
+        final_norm=put(t["final_norm"]),
         sc_pre_norm=put(t["self_conditioning.pre_norm"]),
         sc_gate_up=matrix("self_conditioning.gate_proj", "self_conditioning.up_proj"),
         sc_down=matrix("self_conditioning.down_proj"),

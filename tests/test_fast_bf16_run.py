@@ -450,6 +450,29 @@ def test_decoding_a_subset_of_rows_is_the_whole_batch_rows():
     assert np.array_equal(bits(logits[rows]), bits(whole[rows])) and not logits[1].any()
 
 
+def test_soft_embedding_of_a_bfloat16_table_in_blocks(monkeypatch):
+    """The bfloat16 run holds the embedding bfloat16; its soft-embedding product runs in blocks of vocabulary
+    rows (here 48 of V = 128: two whole blocks and a partial one). Two float32 summations of the same V
+    products each lie within gamma_V sum|p||E| of the exact sum (Higham, ch. 3), so they differ by at most
+    twice that; and the model holds the table as bfloat16."""
+    from diffusiongemma.fast import model as fast_model
+
+    config = make_config()
+    model = fast.Model(config, random_tensors(config, 5), dtype="bfloat16")
+    table = model.embed_tokens
+    assert table.dtype == BF
+    monkeypatch.setattr(fast_model, "SOFT_EMBEDDING_BLOCK", 48)
+    rng = np.random.default_rng(5)
+    probs = rng.random((20, config.vocab_size)).astype(np.float32)
+    out = np.empty((20, config.hidden_size), np.float32)
+    model.block_ops._soft_embedding(probs, table, out)
+    wide = table.astype(np.float32)
+    V = config.vocab_size
+    gamma = V * 2.0 ** -24 / (1 - V * 2.0 ** -24)
+    assert (np.abs(out - probs @ wide) <= 2 * gamma * (np.abs(probs) @ np.abs(wide))).all()
+    assert not np.array_equal(out, np.zeros_like(out))
+
+
 # ------------------------------------------------------------------------------------------ float32, loading
 def test_float32_stays_the_default_and_unchanged():
     config = make_config()
