@@ -26,6 +26,9 @@
 //           replace its keys in shared memory, and O += P V on mma, the warps splitting the R x d outputs into
 //           16 x 8 tiles (at most DG_ATTB_OUT_TILES per warp, in registers). The output is bf16(O).
 // The head dim is padded with zeros to a multiple of 16 in shared memory, so any d <= DG_MAX_HEAD_DIM works.
+// Keys that are not real (padding positions, empty slots, the tile's tail past the last key) are staged as zeros:
+// their memory may hold anything (a GPU cache is not cleared), and a weight of 0 times a NaN value would be NaN
+// on the mma, where the reference never sees those values.
 //
 // Layouts (as dg_attention): q (N, S, n_heads, d); cache_k/v (B_c, n_kv, slots, d); cache_rows (N,) int32 (NULL:
 // the identity); slot_pos (slots,) int64; cache_real (B_c, real_stride) uint8; new_k/v (N, n_kv, n_new, d);
