@@ -21,8 +21,9 @@ summation order (see ``fast/_kernels.pyx`` for where the numbers can differ, and
   vocabulary or to the cache once the workspace has warmed up.
 
 ``Model(..., dtype="bfloat16")`` is upstream's bfloat16 run, as ``reference.model.Model(..., dtype="bfloat16")``
-defines it (SPEC §10.1 B1-B9): every weight is rounded to bfloat16 on load (the matrices and the experts then
-held as bfloat16, the products widening them piece by piece and accumulating in float32), and ``CpuOps``
+defines it (SPEC §10.1 B1-B9): every weight is rounded to bfloat16 on load (the matrices, the experts and the
+embedding then held as bfloat16, the products widening them piece by piece and accumulating in float32; the
+soft-embedding product by blocks of vocabulary rows, ``CpuOps._soft_embedding``), and ``CpuOps``
 with ``bf16`` set rounds each result where the reference's ``round_to`` does: after each product, inside the
 fused kernels through their ``bf16`` flags (norms, RoPE, GELU and its product, the attention scores and
 weights, the experts, the residual tail, the embedding), and on the logits before the float32 soft-cap.
@@ -141,7 +142,7 @@ class Model:
         ``fast.weights.MATRICES_KEPT_BF16``), products widening them piece by piece: the float32 path's
         result on the widened weights, bit for bit; False widens them at load. ``dtype="bfloat16"`` rounds
         every tensor to bfloat16 first (Q8_0 experts dequantized, then rounded), so that with ``keep_bf16``
-        those matrices and the experts are held bfloat16 whatever the checkpoint stores."""
+        those matrices, the experts and the embedding are held bfloat16 whatever the checkpoint stores."""
         self.device = check_device(device)
         self.dtype = compute_dtype(dtype)
         self.bf16 = self.dtype == BFLOAT16  # the bfloat16 run: CpuOps rounds where the reference's round_to does
