@@ -168,6 +168,7 @@ class Results:
         return result
 
     def write(self) -> None:
+        self.data["summary"] = summary(self.data)  # kept current, so a run cut short has its summary too
         if not self.out:
             return
         for name, text in (("bench_gpu_full.json", json.dumps(self.data, indent=1, default=str) + "\n"),
@@ -596,7 +597,9 @@ def ours_section(results: Results, device_name: str, model_shape: TinySpec, para
         facts["fits"] = "yes"
     results.put(f"{key}/facts", facts)
     start = time.perf_counter()
-    tensors = host_views(config, dtype=np.float32 if dtype == "float32" else np.dtype("bfloat16"))
+    from diffusiongemma.reference.primitives import BFLOAT16  # ml_dtypes.bfloat16
+
+    tensors = host_views(config, dtype=np.float32 if dtype == "float32" else BFLOAT16)
     if device_name == "cuda-sim":
         from diffusiongemma.fast.gpu.sim import SimDevice
 
@@ -792,7 +795,6 @@ def main(argv=None) -> int:
                                                              batches, reserve),
                         # its host build checks every expert tensor for NaN (about 3 GB a layer, 30 layers)
                         need=150 if big else 0)
-    results.put("summary", summary(results.data))
     results.note(f"finished with {results.left():.0f} s of the {args.budget:.0f} s budget left")
     return 0
 
