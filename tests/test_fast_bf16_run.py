@@ -254,6 +254,21 @@ def test_expert_kernels_flags():
     assert np.array_equal(bits(mine), bits(rb(ref)))
 
 
+def test_router_input_three_roundings():
+    """``CpuOps.router_input`` of a bfloat16 model: ``layers.route``'s z (the weightless norm, its product with
+    ``scale`` and with the float32 H**-0.5, each rounded), on the kernel's own norm, bit for bit. H = 48: for
+    H = 64 the factor 1/8 is a power of two, and rounding before or after it would be the same."""
+    config = make_config(hidden_size=48)
+    model = fast.Model(config, random_tensors(config, 6), dtype="bfloat16")
+    rng = np.random.default_rng(6)
+    h = bf16_values(rng, (10, config.hidden_size), 5.0)
+    scale = model.layers[0].router_scale
+    z = np.empty_like(h)
+    model.block_ops.router_input(h, scale, z)
+    expected = rb(rb(_norm_bf16(h, None) * scale) * np.float32(config.hidden_size ** -0.5))
+    assert np.array_equal(bits(z), bits(expected))
+
+
 def test_softcap_flag_rounds_first():
     rng = np.random.default_rng(9)
     x = (rng.standard_normal((4, 200)) * 40).astype(np.float32)
