@@ -21,6 +21,7 @@ from diffusiongemma.reference.support.errors import CheckpointError, NonFiniteEr
 from diffusiongemma.reference.weights import expected_shapes
 
 from ..weights import LAYER_TENSOR_NAMES
+from .weights_bf16 import bits_to_float32
 
 __all__ = ["host_tensors", "diagnose"]
 
@@ -28,8 +29,14 @@ __all__ = ["host_tensors", "diagnose"]
 
 def host_tensors(model: Any) -> dict[str, np.ndarray]:
     """The project's named tensors (``reference.weights``) of a GPU model, copied from its packed layout
-    (``fast.weights.pack``) to float32 host arrays in the checkpoint's shapes."""
-    config, host = model.config, model.device.to_host
+    (``fast.weights.pack``) to float32 host arrays in the checkpoint's shapes (a bfloat16 model's bfloat16 bits
+    widened, exactly)."""
+    config = model.config
+
+    def host(array: Any) -> np.ndarray:
+        value = model.device.to_host(array)
+        return bits_to_float32(value) if value.dtype == np.uint16 else value
+
     I_sc = model.sc_down.shape[1]
     sc_gate_up = host(model.sc_gate_up)
     out = {"embed_tokens": host(model.embed_tokens), "final_norm": host(model.final_norm),
@@ -66,7 +73,7 @@ def diagnose(model: Any, error: Exception, canvas: np.ndarray, cache: Any) -> Ex
         return type(error)(f"{error} (the layer was not looked for: a host copy of the weights, {weights:,} bytes, "
                            f"does not fit in the {free:,} bytes of free memory)")
     try:
-        reference = ReferenceModel(model.config, host_tensors(model))
+        reference = ReferenceModel(model.config, host_tensors(model), dtype=getattr(model, "dtype", "float32"))
         with np.errstate(all="ignore"):  # the overflow is expected: the NonFiniteError reports it
             reference.denoise(np.asarray(canvas, dtype=np.int64), cache.to_reference())
     except CheckpointError as found:  # a weight changed on the device after the model was built

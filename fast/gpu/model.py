@@ -6,9 +6,11 @@
 
 Same interface as ``diffusiongemma.reference`` (``Model.from_pretrained(path, device="cuda")``,
 ``new_cache``, ``encode``, ``denoise``; ``generate`` is the reference's one loop, which runs this model on
-its own denoising step, ``sampling.GpuBackend``), same numbers up to float32 rounding: every weight is float32 on the device, matrix products go
-through cuBLAS (``xp.matmul``, no TF32), and the rest runs in the kernels of ``fast/gpu/cuda`` (launch geometry
-and argument checks in ``fast/gpu/launch.py``):
+its own denoising step, ``sampling.GpuBackend``), same numbers up to float32 rounding: every weight is float32
+on the device, matrix products go through cuBLAS (``xp.matmul``, no TF32), and the rest runs in the kernels of
+``fast/gpu/cuda`` (launch geometry and argument checks in ``fast/gpu/launch.py``). ``dtype="bfloat16"`` is
+the reference's bfloat16 run instead (``Bf16GpuOps``: bfloat16 weights, tensor-core products, the reference's
+rounding points):
 
 * RMSNorm fused with its weight, the residual add and the layer scalar; per-head q/k/v norms fused with
   the rotary embedding; gated GELU of a fused gate/up projection;
@@ -41,7 +43,7 @@ from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.support.errors import InputError
 from diffusiongemma.reference.generate import ReferenceBackend, generate
 from diffusiongemma.reference.support.observer import NULL_OBSERVER
-from diffusiongemma.reference.primitives import rope_inverse_frequencies, softcap
+from diffusiongemma.reference.primitives import BFLOAT16, compute_dtype, rope_inverse_frequencies, round_to, softcap
 from diffusiongemma.reference.support.checkpoint_io import check_tensors, load_checkpoint
 
 from .. import block
@@ -49,8 +51,10 @@ from . import launch as gl
 from ..weights import pack
 from .cache import GpuKVCache
 from .device import CupyDevice, gpu_available, make_device
+from .experts import expert_mix
 from .flags import flat_rows, raise_for_flags
 from .sampling import GpuBackend, _StepOutputs
+from .weights_bf16 import pack_bf16, weight_bytes
 
 
 class Model:
@@ -60,34 +64,53 @@ class Model:
     (``tensors``: the project's tensor names -> float32/bf16 NumPy arrays, ``reference.weights``). ``device``
     is "cuda", "cuda:N", or a device object (the tests pass a NumPy stand-in). Loading widens every tensor
     to float32 on the device and fuses q/k/v and every gate/up pair into one matrix each.
+
+    ``dtype``: "float32" (default) or "bfloat16", upstream's bfloat16 run as the reference defines it
+    (``reference.Model(..., dtype="bfloat16")``, SPEC §10.1 B1-B9): every tensor rounded to bfloat16 on load,
+    the matrices kept as bfloat16 bits and multiplied on tensor cores (``dg_gemm_bf16``, float32
+    accumulation), every other kernel rounding its results to bfloat16 where the reference does
+    (``Bf16GpuOps``); see ``weights_bf16.py`` for the layout. The logits stay float32 (the soft-cap and the
+    sampling kernel run in float32, as upstream's), so the loop, graphs and sampling are the float32 run's.
+    ``self.dtype`` is the NumPy dtype (``reference.primitives.FLOAT32`` / ``BFLOAT16``).
     """
 
-    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], device: Any = "cuda"):
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], device: Any = "cuda",
+                 dtype: str | np.dtype = "float32"):
+        self.dtype = compute_dtype(dtype)
+        self.bf16 = self.dtype == BFLOAT16
         check_tensors(tensors, config)
         self.config = config
         self.device = make_device(device) if isinstance(device, str) else device
         dev = self.device
         with dev.context():
-            packed = pack(config, tensors, upload=dev.to_device)
+            if self.bf16:
+                packed = pack_bf16(config, tensors, upload=dev.to_device)
+            else:
+                packed = pack(config, tensors, upload=dev.to_device)
         self.embed_tokens, self.final_norm = packed.embed_tokens, packed.final_norm  # (V, H), (H,)
         self.sc_pre_norm, self.sc_gate_up, self.sc_down = packed.sc_pre_norm, packed.sc_gate_up, packed.sc_down
         self.layers = packed.layers
         self._omega = {kind: rope_inverse_frequencies(config.rope_parameters[kind], d)
                        for kind, d in zip(config.layer_types, config.layer_head_dim)}
         self._decoder_memo: tuple | None = None  # (key, device inputs) of the last decoder pass
-        self.block_ops = GpuOps(self)  # fast.block's operations on this model's device
+        self.weight_bytes = weight_bytes(packed)  # bytes of the weights on the device
+        self.block_ops = Bf16GpuOps(self) if self.bf16 else GpuOps(self)  # fast.block's operations here
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, device: Any = "cuda") -> "Model":
-        """Load a converted checkpoint (or a transformers one, converted in memory) onto ``device``.
+    def from_pretrained(cls, path: str | os.PathLike, device: Any = "cuda",
+                        dtype: str | np.dtype = "float32") -> "Model":
+        """Load a converted checkpoint (or a transformers one, converted in memory) onto ``device``, in ``dtype``
+        ("float32" or "bfloat16", see the class notes).
 
         Raises ``RuntimeError`` when the GPU backend is unusable (no CuPy, no GPU), ``CheckpointError`` /
-        ``ConfigError`` for a bad checkpoint. The device is checked before the (slow) weight read.
+        ``ConfigError`` for a bad checkpoint or dtype. The device and the dtype are checked before the (slow)
+        weight read.
         """
+        compute_dtype(dtype)
         dev = make_device(device) if isinstance(device, str) else device
         config, tensors = load_checkpoint(path)
-        return cls(config, tensors, device=dev)
+        return cls(config, tensors, device=dev, dtype=dtype)
 
     def denoising_backend(self, draws: Any, batch_size: int, denoiser: Any = None, observer: Any = NULL_OBSERVER,
                           logits_hook: Any = None, device_loop: bool = True, sync_every: int = 4,
@@ -153,7 +176,7 @@ class Model:
             if not return_hidden:
                 return None
             out = dev.empty((B * n, config.hidden_size), np.float32)
-            dev.launch(gl.rms_norm(h, self.final_norm, out, config.rms_norm_eps))
+            dev.launch(gl.rms_norm(h, self.final_norm, out, config.rms_norm_eps, bf16=int(self.bf16)))
             return dev.to_host(out).reshape(B, n, config.hidden_size)
 
     # ------------------------------------------------------------------ decoder
@@ -191,6 +214,9 @@ class Model:
         dev = self.device
         flat = flat_rows(rows, C)
         R = flat.shape[0]
+        if self.bf16:  # SPEC B8: upstream casts the processed logits to bfloat16 before its float32 softmax
+            for b in rows:
+                dev.launch(gl.round_bf16(buffer[int(b)]))
         outs = _StepOutputs(dev, R)
         dev.launch(gl.sample_rows(buffer.reshape(B * C, V), dev.to_device(flat), 0.0, 0.0, None, outs.argmax,
                                   outs.entropy, outs.sampled, outs.flags))
@@ -210,7 +236,11 @@ class Model:
                         decoder=True)
         hf = block.decoder_hidden(self.block_ops, keys, self, canvas_dev.reshape(-1), n_rows, C, signal)
         for i, b in enumerate(rows):  # tied lm_head straight into the buffer rows
-            dev.xp.matmul(hf[i * C:(i + 1) * C], self.embed_tokens.T, out=buffer[int(b)])
+            if self.bf16:  # SPEC B9: the bfloat16 lm_head's output, widened to float32 for the soft-cap
+                dev.launch(gl.gemm_bf16(None, self.embed_tokens, buffer[int(b)], a_f32=hf[i * C:(i + 1) * C],
+                                        round_c=True))
+            else:
+                dev.xp.matmul(hf[i * C:(i + 1) * C], self.embed_tokens.T, out=buffer[int(b)])
 
     def _decoder_inputs(self, cache_length: int, rows: np.ndarray, C: int) -> tuple:
         """The device inputs of a decoder pass that depend only on the cache length and the rows decoded:
@@ -233,7 +263,8 @@ class Model:
         tables = {}
         for kind, omega in self._omega.items():
             angles = positions.astype(np.float32)[:, None] * omega  # (S, d/2)
-            tables[kind] = (self.device.to_device(np.cos(angles)), self.device.to_device(np.sin(angles)))
+            cos, sin = round_to(np.cos(angles), self.dtype), round_to(np.sin(angles), self.dtype)  # SPEC B4
+            tables[kind] = (self.device.to_device(cos), self.device.to_device(sin))
         return tables
 
 class GpuOps:
@@ -241,6 +272,8 @@ class GpuOps:
     capture): cuBLAS products through ``device.xp``, the CUDA kernels through ``device.launch`` (``launch.py``),
     every buffer fresh from the device's pool (a captured pass keeps the buffers it used). Never copies
     between host and device."""
+
+    bf16 = False  # the float32 run (``Bf16GpuOps``: the bfloat16 one)
 
     def __init__(self, model: "Model"):
         self.model, self.config = model, model.config
@@ -313,32 +346,81 @@ class GpuOps:
 
     def expert_mix(self, w, x, indices, weights) -> Any:
         """Tokens grouped by expert into tiles, two grouped GEMMs around the gated GELU, the weighted
-        combination (N, H); no host synchronisation."""
-        dev = self.model.device
-        N, H = x.shape
-        E, K, I_e = self.config.num_experts, indices.shape[1], self.config.moe_intermediate_size
-        tiles, rows = gl.moe_rows(N, K, E)
-        offsets = dev.empty((E + 1,), np.int32)
-        row_token = dev.empty((rows,), np.int32)
-        choice_row = dev.empty((N, K), np.int32)
-        tile_expert = dev.empty((tiles,), np.int32)
-        dev.launch(gl.group_experts(indices, E, offsets, row_token, choice_row, tile_expert))
-        xg = dev.empty((rows, H), np.float32)
-        dev.launch(gl.gather_rows(x, row_token, xg))
-        gu = dev.zeros((rows, 2 * I_e), np.float32)
-        dev.launch(gl.grouped_gemm_nt(xg, w.expert_gate_up, tile_expert, gu))
-        act = dev.empty((rows, I_e), np.float32)
-        dev.launch(gl.gated_gelu(gu, act))
-        yo = dev.empty((rows, H), np.float32)
-        dev.launch(gl.grouped_gemm_nt(act, w.expert_down, tile_expert, yo))
-        out = dev.empty((N, H), np.float32)
-        dev.launch(gl.combine_experts(yo, indices, choice_row, weights, out))
-        return out
+        combination (N, H); no host synchronisation (``experts.expert_mix``, bfloat16 in ``Bf16GpuOps``)."""
+        return expert_mix(self.model.device, x, indices, weights, w.expert_gate_up, w.expert_down,
+                          self.config.num_experts, self.bf16)
 
     def feed_forward_residual(self, h, dense, moe, w, scalar) -> int:
         """The block's fused tail; 0: the GPU pass counts no non-finite rows (``diagnosis.py`` does)."""
         self.model.device.launch(gl.ffn_tail(h, dense, moe, w.post_ffn_norm_1, w.post_ffn_norm_2,
                                              w.post_ffn_norm, scalar, self.eps))
+        return 0
+
+
+class Bf16GpuOps(GpuOps):
+    """``GpuOps`` of a bfloat16 run (``Model(..., dtype="bfloat16")``): the same sequence with the reference's
+    rounding points (SPEC §10.1; ``reference.primitives`` / ``layers`` / ``model`` with dtype bfloat16).
+    Activations are float32 arrays holding bfloat16 values; the matrices are bfloat16 bits (``weights_bf16``).
+
+    * products: ``dg_gemm_bf16`` on tensor cores, the activation rounded to bfloat16 as it is loaded (exact
+      here), float32 accumulation, the output rounded (``linear``); the self-conditioning ``probs @ E`` reads
+      the (V, H) table as stored ("nn") with the float32 probabilities rounded on load (B8);
+    * norms (B2, B5, B7), the router's input (B6: norm, times scale, times H^-1/2, each rounded), the residual
+      adds and the layer scalar, the embedding (B1: the scale rounded first), the heads' norms and RoPE (B4):
+      the float32 kernels with their ``bf16`` flag;
+    * the gated GELU (GELU and product rounded), the experts (``experts.expert_mix`` in bfloat16) and the
+      attention (``dg_attention_bf16``, chosen by ``_GpuKeys.attend``);
+    * the router's softmax, top-K and weights stay float32 (upstream's ``softmax(dtype=float32)``).
+    """
+
+    bf16 = True
+
+    def __init__(self, model: "Model"):
+        super().__init__(model)
+        self.embed_scale = np.float32(round_to(np.float32(model.config.embed_scale), BFLOAT16))  # B8
+
+    def embed(self, ids, table, signal, normed: bool, out) -> None:
+        self.model.device.launch(gl.embed(ids, table, self.config.embed_scale, signal, normed, out, self.eps,
+                                          bf16=True))
+
+    def probs_times_embedding(self, probs, rows: np.ndarray, C: int, table, out) -> None:
+        """``out = bf16(bf16(probs[rows]) @ table)`` (N*C, H), one product per row, the (V, H) table of bits as
+        stored (B8)."""
+        dev = self.model.device
+        for i, b in enumerate(rows):
+            dev.launch(gl.gemm_bf16(None, table, out[i * C:(i + 1) * C], a_f32=probs[int(b)], b_kn=True,
+                                    round_c=True))
+
+    def scale(self, x, factor) -> None:
+        """``x = bf16(x * factor)`` (``factor``: the embedding scale already rounded to bfloat16, B8)."""
+        dev = self.model.device
+        dev.xp.multiply(x, factor, out=x)
+        dev.launch(gl.round_bf16(x))
+
+    def matmul(self, a, b, out) -> None:
+        """``out = bf16(a @ b)`` where ``b`` is the transposed view ``w.T`` of bfloat16 bits ``w`` (out, in), as
+        ``fast.block`` passes every weight; a float32 (bf16-valued)."""
+        self.model.device.launch(gl.gemm_bf16(None, b.T, out, a_f32=a, round_c=True))
+
+    def rms_norm(self, x, weight, out) -> None:
+        self.model.device.launch(gl.rms_norm(x, weight, out, self.eps, bf16=1))
+
+    def router_input(self, h, weight, out) -> None:
+        self.model.device.launch(gl.rms_norm(h, weight, out, self.eps, post=self.router_factor, bf16=2))
+
+    def heads(self, proj, N, S, n_h, g, d, has_v, q_norm, k_norm, cos, sin, q, k, v) -> None:
+        self.model.device.launch(gl.qkv_heads(proj, N, S, n_h, g, d, has_v, q_norm, k_norm, cos, sin, q, k, v,
+                                              self.eps, bf16=True))
+
+    def residual_norm_add(self, h, y, weight) -> None:
+        self.model.device.launch(gl.residual_norm(h, y, weight, 1.0, self.eps, bf16=True))
+
+    def gated_gelu(self, gate_up, out) -> None:
+        self.model.device.launch(gl.gated_gelu(gate_up, out, bf16=True))
+
+    def feed_forward_residual(self, h, dense, moe, w, scalar) -> int:
+        self.model.device.launch(gl.ffn_tail(h, dense, moe, w.post_ffn_norm_1, w.post_ffn_norm_2,
+                                             w.post_ffn_norm, scalar, self.eps, bf16=True))
         return 0
 
 
@@ -366,13 +448,14 @@ class _GpuKeys:
         c = self.cache
         window = c.config.sliding_window if (w.sliding and not self.decoder) else 0
         causal, n_cache = not self.decoder, c.cached_slots(l)
+        attention = gl.attention_bf16 if self.model.bf16 else gl.attention
         if n_cache > 0:
-            launch = gl.attention(q, self.new_pos, c.keys[l], c.values[l], self.rows, n_cache,
-                                  c.slot_positions_device(l), c.real, new_k, new_v, self.new_pos, self.new_real,
-                                  window, causal, out)
+            launch = attention(q, self.new_pos, c.keys[l], c.values[l], self.rows, n_cache,
+                               c.slot_positions_device(l), c.real, new_k, new_v, self.new_pos, self.new_real,
+                               window, causal, out)
         else:
-            launch = gl.attention(q, self.new_pos, None, None, None, 0, None, None, new_k, new_v, self.new_pos,
-                                  self.new_real, window, causal, out)
+            launch = attention(q, self.new_pos, None, None, None, 0, None, None, new_k, new_v, self.new_pos,
+                               self.new_real, window, causal, out)
         self.model.device.launch(launch)
         if not self.decoder:
             self.pending.append((new_k, new_v))
