@@ -43,26 +43,20 @@ def test_dry_run_times_every_run_of_the_comparison(tmp_path):
     text = out.read_text()
     assert "did not run" not in text and "skipped" not in text, text
     rows = table_rows(text)
-    bf16 = bench.gpu_model_takes_dtype()  # fast.gpu.Model(..., dtype=) exists (issue #30)
+    assert bench.gpu_model_takes_dtype()  # fast.gpu.Model(..., dtype="bfloat16"), issue #30
     for op in ("encode", "denoise", "generate"):
         ours, ours16, hf32, hf16, ratio32, ratio16 = rows[op]
-        for cell in (ours, hf32, hf16) + ((ours16,) if bf16 else ()):
+        for cell in (ours, ours16, hf32, hf16):
             assert ms(cell) > 0 and math.isfinite(ms(cell)), (op, cell)
         assert ratio(ratio32) == pytest.approx(ms(ours) / ms(hf32), rel=0.01, abs=0.01)  # of rounded times
-        if bf16:
-            assert ratio(ratio16) == pytest.approx(ms(ours16) / ms(hf16), rel=0.01, abs=0.01)
-        else:
-            assert ours16 == "-" and ratio16 == "-"
+        assert ratio(ratio16) == pytest.approx(ms(ours16) / ms(hf16), rel=0.01, abs=0.01)
     assert float(rows["max |logit diff| ours fp32 vs hf fp32"][0]) < 1e-3  # the same weights and inputs
     scale = float(rows["max |logit diff| hf bf16 vs hf fp32 (bfloat16's own size, for scale)"][3])
     assert 0 < scale < 10
-    if bf16:
-        assert 0 < float(rows["max |logit diff| ours bf16 vs hf bf16"][1]) < 10 * scale
-        # the bf16 row is the bfloat16 run, not the float32 one again
-        assert float(rows["max |logit diff| ours bf16 vs ours fp32"][1]) > 1e-3
-        assert "ours bf16 ahead of transformers bf16 eager (target: on all three): encode " in text
-    else:
-        assert bench.NO_BF16_YET in text
+    assert 0 < float(rows["max |logit diff| ours bf16 vs hf bf16"][1]) < 10 * scale
+    # the bf16 row is the bfloat16 run, not the float32 one again
+    assert float(rows["max |logit diff| ours bf16 vs ours fp32"][1]) > 1e-3
+    assert "ours bf16 ahead of transformers bf16 eager (target: on all three): encode " in text
     assert "| dry run: 26B layer pattern (S+F) at tiny sizes, torch CPU, ours cuda-sim | " in text  # float64 table
 
 

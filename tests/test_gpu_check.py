@@ -89,23 +89,11 @@ def test_the_bf16_check_is_a_time_boxed_stage_that_writes_into_the_tests_log():
     assert '| tee -a "$RESULTS/gpu_tests.log"' in following, following  # no file beyond the seven
 
 
-def bf16_run_exists() -> bool:
-    import inspect
-
-    from diffusiongemma.fast import gpu
-
-    return "dtype" in inspect.signature(gpu.Model.__init__).parameters and os.path.exists(
-        os.path.join(os.path.dirname(BENCHMARKS), "tests", "test_gpu_bf16_model.py"))
-
-
 def test_the_bf16_check_runs_on_cuda_sim_and_prints_a_ratio_per_call(capsys):
     """The script the GPU stage runs, here on cuda-sim on one of the test file's models: every call's ratio
-    printed and the verdict; before the GPU bfloat16 run exists, a one-line "not run" and status 2."""
+    printed and the verdict."""
     rc = bf16_check().main(["--device", "cuda-sim", "--config", "full only, top-3 of 6"])
     out = capsys.readouterr().out
-    if not bf16_run_exists():
-        assert rc == 2 and out.startswith("bf16 check: not run: ") and len(out.splitlines()) == 1, out
-        return
     assert rc == 0, out
     calls = [line for line in out.splitlines() if line.startswith("  full only, top-3 of 6: ") and line.endswith(" ok")]
     assert len(calls) >= 5 and any("(forced " in line for line in calls), out
@@ -113,8 +101,6 @@ def test_the_bf16_check_runs_on_cuda_sim_and_prints_a_ratio_per_call(capsys):
 
 
 def test_the_bf16_check_fails_a_call_outside_the_criterion(monkeypatch, capsys):
-    if not bf16_run_exists():
-        pytest.skip("fast.gpu.Model has no dtype yet (issue #30): the script says so, see the test above")
     from tests import test_gpu_bf16_model as check
 
     monkeypatch.setattr(check, "within", lambda r: all(plain <= 1e-9 for plain, forced in r.values()))
@@ -124,7 +110,18 @@ def test_the_bf16_check_fails_a_call_outside_the_criterion(monkeypatch, capsys):
 
 
 def test_the_bf16_check_names_an_unknown_model(capsys):
-    if not bf16_run_exists():
-        pytest.skip("fast.gpu.Model has no dtype yet (issue #30)")
     assert bf16_check().main(["--device", "cuda-sim", "--config", "no such model"]) == 2
     assert "unknown --config ['no such model']" in capsys.readouterr().out
+
+
+def test_without_the_bf16_gpu_run_the_check_says_so(monkeypatch, capsys):
+    from diffusiongemma.fast import gpu
+
+    class Float32Only:  # a GPU model from before issue #30
+        def __init__(self, config, tensors, device="cuda"):
+            raise AssertionError("not to be built")
+
+    monkeypatch.setattr(gpu, "Model", Float32Only)
+    assert bf16_check().main(["--device", "cuda-sim"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("bf16 check: not run: ") and len(out.splitlines()) == 1, out
