@@ -404,6 +404,23 @@ def test_the_float32_model_is_untouched_by_the_bf16_run(dev):
     assert half.weight_bytes < 0.52 * fast.weight_bytes
 
 
+def test_the_bf16_weights_read_back_are_the_reference_bf16_weights(dev):
+    """The diagnosis of non-finite logits re-runs the reference on the host copy of the model's weights
+    (``diagnosis.host_tensors``): for a bfloat16 model that copy is the reference bfloat16 model's tensors
+    exactly (the bits widened), and its re-run is a bfloat16 one."""
+    from diffusiongemma.fast.gpu.diagnosis import host_tensors
+
+    config = make_config()
+    tensors = random_tensors(config, seed=8)
+    fast = gpu.Model(config, tensors, device=dev, dtype="bfloat16")
+    ref = ReferenceModel(config, tensors, dtype="bfloat16")
+    back = host_tensors(fast)
+    assert set(back) == set(ref.tensors)
+    for name, value in ref.tensors.items():
+        assert np.array_equal(back[name], value), name
+    assert np.array_equal(bits_to_float32(float32_to_bits(value)), value)
+
+
 def test_dtype_is_checked_before_anything_is_read(tmp_path):
     from diffusiongemma.reference.support.errors import ConfigError
 

@@ -442,6 +442,19 @@ def test_bf16_attention_within_its_bound(device):
         check(case, run(case, dev=device), agree=0.8)  # tensor cores and CUDA expf: other neighbours
 
 
+def test_bf16_model_is_the_reference_bf16_run(device):
+    """``gpu.Model(..., dtype="bfloat16")`` on this device, every bfloat16 kernel in place: check (b) of
+    tests/test_gpu_bf16_model.py (whole calls against the bfloat16 reference, that file's ``within``) on one tiny
+    config."""
+    from diffusiongemma.tiny import make_config
+    from diffusiongemma.tiny import random_tensors as tiny_tensors
+    from tests.test_gpu_bf16_model import ratios, whole_calls, within
+
+    config = make_config()
+    r = ratios(whole_calls(config, tiny_tensors(config, seed=3), device))
+    assert within(r), r
+
+
 def test_round_bf16_is_the_reference_rounding(device):
     """``dg_round_bf16`` on this device: every element of a float32 array rounded to bfloat16 in place (ties to
     even, overflow to infinity, NaN kept), bit for bit the reference's ``round_to(x, BFLOAT16)``."""
