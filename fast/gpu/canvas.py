@@ -71,8 +71,11 @@ SYNC_EVERY = 4
 
 
 def applies(backend: Any, draws: Any, observer: Any, semantics: Any, stopper: Any) -> bool:
-    """Whether ``run_canvas`` reproduces this run exactly (module docstring); else the spec's loop runs."""
-    return (getattr(backend, "device_loop", True) and type(draws) is SeededDraws
+    """Whether ``run_canvas`` reproduces this run exactly (module docstring); else the spec's loop runs. Not for
+    a bfloat16 model: its self-conditioning input is the softmax of the processed logits rounded to bfloat16
+    (SPEC B8), which the spec's loop computes (``sampling.GpuBackend.step``) and this one does not."""
+    return (getattr(backend, "device_loop", True) and not getattr(backend.model, "bf16", False)
+            and type(draws) is SeededDraws
             and observer is NULL_OBSERVER and semantics == TRANSFORMERS
             and (stopper is None or type(stopper) is StableAndConfident))
 

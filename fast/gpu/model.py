@@ -223,15 +223,17 @@ class Model:
         raise_for_flags(dev.to_host(outs.flags), flat, C, None, InputError, what)
 
     def _decoder_logits(self, canvas_dev, cache: GpuKVCache, rows: np.ndarray, buffer, has_sc: bool,
-                        sc_mask: np.ndarray | None = None) -> None:
+                        sc_mask: np.ndarray | None = None, sc_probs: Any = None) -> None:
         """Decoder pass for batch rows ``rows`` (host int array): raw logits (before the soft-cap) into
         ``buffer[rows]``. canvas_dev: (len(rows), C) int64 device ids of those rows. When ``has_sc``,
-        ``buffer[rows]`` holds the self-conditioning probabilities on entry (read before any write)."""
+        ``buffer[rows]`` (or ``sc_probs[rows]``, another (B, C, V) buffer, when given) holds the
+        self-conditioning probabilities on entry (read before any write)."""
         dev, n_rows, C = self.device, rows.shape[0], buffer.shape[1]
         pos_dev, tables, cache_rows, ones = self._decoder_inputs(cache.length, rows, C)
         signal = None
         if has_sc:  # SPEC §7.1, fast/block.py
-            signal = block.self_conditioning_signal(self.block_ops, self, buffer, rows, C, sc_mask)
+            probs = buffer if sc_probs is None else sc_probs
+            signal = block.self_conditioning_signal(self.block_ops, self, probs, rows, C, sc_mask)
         keys = _GpuKeys(self, cache, n_rows, C, rows=cache_rows, new_pos=pos_dev, new_real=ones, tables=tables,
                         decoder=True)
         hf = block.decoder_hidden(self.block_ops, keys, self, canvas_dev.reshape(-1), n_rows, C, signal)

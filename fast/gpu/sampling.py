@@ -8,7 +8,10 @@ Self-conditioning keeps exactly one (canvas x vocabulary) float32 buffer per seq
 its logits there, the sampling pass turns them into probabilities in place, and the next step's
 self-conditioning input reads those probabilities (softmax of the processed logits, SPEC §7.1) before the
 decoder overwrites the buffer with new logits. Rows that finished denoising are not recomputed, so their
-probabilities stay as they were (the reference's freezing, SPEC §8.2 h).
+probabilities stay as they were (the reference's freezing, SPEC §8.2 h). A bfloat16 model keeps a second such
+buffer: its self-conditioning input is the softmax of the processed logits rounded to bfloat16 (SPEC B8), not
+the sampling pass's probabilities, so each step copies its raw logits there first (``_keep_raw_logits``); such
+a run takes the per-step loop (``canvas.applies``).
 
 Within a canvas, ``run_canvas`` (``canvas.py``) runs the steps with every piece of the loop's state on the
 device and the host reading only a small stop flag every ``sync_every`` steps and the committed draft; the
@@ -73,6 +76,10 @@ class GpuBackend:
         self.draws, self.observer, self.logits_hook = draws, observer, logits_hook
         self.buffer: Any = None  # the one (C x V) buffer per row, allocated by the first canvas (after check_budget)
         self.has_sc = False  # buffer holds self-conditioning probabilities for every row
+        # a bfloat16 model's self-conditioning probabilities (softmax of the processed logits rounded to bfloat16,
+        # SPEC B8) in a buffer of their own; None: they are the buffer's (float32 run, a caller's logits)
+        self.sc_probs: Any = None
+        self._sc_buffer: Any = None
         self.cache: Any = None
 
     def context(self) -> Any:
@@ -80,7 +87,7 @@ class GpuBackend:
 
     def begin_canvas(self, cache: Any, sc_logits: np.ndarray | None, canvas: np.ndarray) -> None:
         """Start a canvas: no self-conditioning, or the caller's logits (first canvas only)."""
-        self.cache, self.has_sc = cache, False
+        self.cache, self.has_sc, self.sc_probs = cache, False, None
         if self.buffer is None:
             with self.dev.context():
                 self.buffer = self.dev.empty((self.B, self.C, self.V), np.float32)
@@ -120,7 +127,9 @@ class GpuBackend:
             self.buffer[dev.to_device(live)] = dev.to_device(logits[live])
             cap = 0.0
         else:
-            self.model._decoder_logits(dev.to_device(canvas[live]), self.cache, live, self.buffer, self.has_sc)
+            self.model._decoder_logits(dev.to_device(canvas[live]), self.cache, live, self.buffer, self.has_sc,
+                                       sc_probs=self.sc_probs)
+        raw = self._keep_raw_logits(live)
         if self.observer.records:
             self.observer.logits(self.model.softcapped_host_logits(self.buffer, live, cap), rows=live)
         flat = flat_rows(live, C)
@@ -134,6 +143,8 @@ class GpuBackend:
             raise_for_flags(dev.to_host(out.flags), flat, C, temp)
         except SamplingError as error:  # NaN/+inf logits: name the layer, as the CPU paths do
             raise self.model.diagnose_non_finite(error, canvas, self.cache) from None
+        if raw is not None:
+            self._bf16_self_conditioning(raw, live, cap, temp)
         sampled = np.zeros((B, C), dtype=np.int64)  # rows not decoded: the loop reports their frozen canvas
         if uniforms is None:  # any other draw source decides on the host, from the probabilities
             probs = dev.to_host(self.buffer)
@@ -147,6 +158,33 @@ class GpuBackend:
         draft[live] = dev.to_host(out.argmax).reshape(live.shape[0], C)
         entropies[live] = dev.to_host(out.entropy).reshape(live.shape[0], C)
         return StepOutput(draft, sampled, entropies)
+
+    def _keep_raw_logits(self, live: np.ndarray) -> Any:
+        """A bfloat16 model: a copy of the step's raw logits (B, C, V) before the sampling pass turns them into
+        probabilities (rows ``live`` written), for ``_bf16_self_conditioning``; None for a float32 model."""
+        if not getattr(self.model, "bf16", False):
+            return None
+        if self._sc_buffer is None:
+            with self.dev.context():
+                self._sc_buffer = self.dev.empty((self.B, self.C, self.V), np.float32)
+        for b in live:
+            self._sc_buffer[int(b)] = self.buffer[int(b)]
+        return self._sc_buffer
+
+    def _bf16_self_conditioning(self, raw: Any, live: np.ndarray, cap: float, temp: Any) -> None:
+        """The next step's self-conditioning probabilities of a bfloat16 model, in place of ``raw``'s rows
+        ``live``: the processed logits (soft-cap, then temperature, float32 as the sampling kernel computes
+        them) rounded to bfloat16, then the float32 softmax (``Model._softmax_in_place``), as upstream's
+        bfloat16 run feeds them (SPEC B8). Rows not decoded keep their earlier probabilities."""
+        dev = self.dev
+        for b in live:
+            row = raw[int(b)]
+            if cap:
+                dev.launch(gl.softcap(row, cap))
+            if temp is not None and float(temp) > 0:
+                dev.xp.divide(row, np.float32(temp), out=row)
+        self.model._softmax_in_place(raw, live, "self_conditioning_logits")
+        self.sc_probs = raw
 
     def accept_and_renoise(self, step: StepOutput, canvas: np.ndarray, noise: np.ndarray,
                            bound: float) -> tuple[np.ndarray, np.ndarray]:
