@@ -431,7 +431,8 @@ def test_dtype_is_checked_before_anything_is_read(tmp_path):
 # ------------------------------------------------------------------------------------------------ (d) generate
 def test_generate_follows_the_reference_bf16_run(dev):
     """Free runs with the same seeds. Asserted: a canvas's first step (no self-conditioning yet) gives the
-    bfloat16 reference's tokens on every seed; the loop's self-conditioning input after a step is B8's, the
+    bfloat16 reference's tokens on every seed; the per-step loop's self-conditioning input after a step is B8's
+    (the device loop's, written by the sampling kernel's bf16 flag: tests/test_gpu_bf16_loop.py), the
     float32 softmax of the step's processed logits (soft-cap, then temperature) rounded to bfloat16, computed
     from the GPU's own logits: the bfloat16 roundings of the probabilities equal or neighbours (the soft-cap's
     tanh is the sampling kernel's, not NumPy's, so a processed logit on a rounding boundary may round to the
@@ -461,7 +462,7 @@ def test_generate_follows_the_reference_bf16_run(dev):
         seen.append((logits, cap, temp, dev.to_host(raw).copy()))
 
     with mock.patch.object(GpuBackend, "_bf16_self_conditioning", recording):
-        got = gpu.generate(fast, prompt, random=seed, **kwargs).sequences
+        got = gpu.generate(fast, prompt, random=seed, backend_options={"device_loop": False}, **kwargs).sequences
     assert seen
     for logits, cap, temp, probs in seen:
         processed = round_to(softcap(logits, cap) / np.float32(temp), BFLOAT16)

@@ -99,6 +99,38 @@ def test_h2d_per_canvas_does_not_grow_with_the_steps(shipped):
     assert long[0]["canvas"].d2h == short[0]["canvas"].d2h + 1  # one more stop flag (k = 4)
 
 
+def test_a_bfloat16_canvas_asks_what_a_float32_canvas_asks():
+    """A bfloat16 model's canvas runs on the device loop too (its self-conditioning input, SPEC B8, is written by
+    the sampling kernel's bf16 flag): per canvas the same copies each way, waits and replays as the float32
+    model's, the same captured step at every replay, and after the capture one replay per step and no other
+    Python-issued launch. A small model of each dtype (the shipped one in bfloat16 is slow on cuda-sim), no
+    stopping rule (every canvas takes its N steps, whatever its tokens)."""
+    from diffusiongemma.tiny import make_config, random_tensors
+
+    config = make_config(layer_types="SF", canvas_length=8)
+    tensors = random_tensors(config, seed=5)
+    prompt = np.random.default_rng(0).integers(3, 120, size=(2, 5))
+    counts = {}
+    for dtype in ("float32", "bfloat16"):
+        model = gpu.Model(config, tensors, device=CountingDevice(SimDevice(checks=False)), dtype=dtype)
+        for steps, k in ((4, 4), (9, 2)):
+            model.device.phases.clear()
+            result, canvases = count_generate(model, prompt, random=1, max_new_tokens=16, max_denoising_steps=steps,
+                                              eos_token_id=[1], pad_token_id=0, backend_options=dict(sync_every=k))
+            assert result.steps_per_canvas == [steps, steps]
+            counts[dtype, steps] = [c["canvas"] for c in canvases]
+    for steps in (4, 9):
+        for f32, b16 in zip(counts["float32", steps], counts["bfloat16", steps]):
+            a, b = f32.as_dict(), b16.as_dict()
+            same = ("d2h", "d2h_bytes", "h2d", "h2d_bytes", "syncs", "waits", "replays")
+            assert {n: b[n] for n in same} == {n: a[n] for n in same}, (a, b)
+            assert b16.replays == steps - 2 and b16.kernels["dg_sample_step"] == 2, b
+    for short, long in zip(counts["bfloat16", 4], counts["bfloat16", 9]):
+        assert long.python_launches - short.python_launches == 9 - 4, (short.as_dict(), long.as_dict())
+        assert (long.launches, long.xp_calls) == (short.launches, short.xp_calls)
+        assert long.replayed_launches // long.replays == short.replayed_launches // short.replays > 50
+
+
 def test_an_allocation_over_the_limit_is_refused_with_its_shape():
     device = CountingDevice(SimDevice(checks=False), limit_bytes=1 << 20)
     kept = device.empty((512, 256), np.float32)  # 512 KiB

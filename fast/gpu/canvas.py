@@ -16,7 +16,10 @@ What stays on the device for the whole canvas (B rows, C positions, N = max_deno
     uniforms, noise (N, B, C)            the canvas's draws, made ahead and uploaded once (below)
     flags (N, B*C)                       the sampling kernel's NaN / +inf / no-finite flags of every step
     step (1,), temperatures (N,)         the step index (advanced on the device) and each step's temperature
-    the self-conditioning buffer         ``GpuBackend.buffer``, as in the per-step backend
+    the self-conditioning buffer         ``GpuBackend.buffer``, as in the per-step backend; a bfloat16
+                                         model's second (B, C, V) buffer (``GpuBackend.sc_buffer``): the
+                                         sampling kernel's bf16 flag writes there the softmax of the processed
+                                         logits rounded to bfloat16 (SPEC B8), the next step's input
     per-step records (N, ...)            draft, sampled, entropies, accepted, canvas, finished: only when a
                                          callback asked for steps; copied to the host once, after the canvas
 
@@ -71,11 +74,10 @@ SYNC_EVERY = 4
 
 
 def applies(backend: Any, draws: Any, observer: Any, semantics: Any, stopper: Any) -> bool:
-    """Whether ``run_canvas`` reproduces this run exactly (module docstring); else the spec's loop runs. Not for
-    a bfloat16 model: its self-conditioning input is the softmax of the processed logits rounded to bfloat16
-    (SPEC B8), which the spec's loop computes (``sampling.GpuBackend.step``) and this one does not."""
-    return (getattr(backend, "device_loop", True) and not getattr(backend.model, "bf16", False)
-            and type(draws) is SeededDraws
+    """Whether ``run_canvas`` reproduces this run exactly (module docstring); else the spec's loop runs. A
+    bfloat16 model's run is reproduced too: its self-conditioning input (SPEC B8) is written by the sampling
+    kernel's bf16 flag."""
+    return (getattr(backend, "device_loop", True) and type(draws) is SeededDraws
             and observer is NULL_OBSERVER and semantics == TRANSFORMERS
             and (stopper is None or type(stopper) is StableAndConfident))
 
@@ -192,11 +194,12 @@ def run_canvas(backend: Any, k: int, canvas: np.ndarray, draws: SeededDraws, sto
     argmax, entropy, sampled = out.argmax[:B * C], out.entropy[:B * C], out.sampled[:B * C]
     records = _Records(dev, N, B, C) if callback is not None else None
     logits = backend.buffer.reshape(B * C, V)
+    bf16_sc = backend.sc_buffer().reshape(B * C, V) if getattr(model, "bf16", False) else None
 
     def tail(device: Any, rows: Any, step_cap: float) -> None:
         """A step after its decoder pass: sampling, acceptance and stop state, then the step index advances."""
         device.launch(gl.sample_step(logits, rows, step_cap, temps_dev, step_dev, u_dev, argmax, entropy, sampled,
-                                     flags))
+                                     flags, bf16_sc))
         device.launch(gl.step_update(argmax, entropy, sampled, noise_dev, step_dev, bound, stopper is not None, s,
                                      gamma, canvas_dev, draft_dev, entropies_dev, finished_dev, finish_step, history,
                                      None if records is None else records.arrays()))
@@ -230,7 +233,8 @@ def run_canvas(backend: Any, k: int, canvas: np.ndarray, draws: SeededDraws, sto
                     plan_key = key
                 else:
                     rows_canvas = canvas_dev if n == B else canvas_dev[live_dev]
-                    model._decoder_logits(rows_canvas, backend.cache, live, backend.buffer, backend.has_sc)
+                    model._decoder_logits(rows_canvas, backend.cache, live, backend.buffer, backend.has_sc,
+                                          sc_probs=backend.sc_probs)
                     tail(dev, flat_dev, cap)
                     direct_key = key  # the pass's inputs are uploaded (model._decoder_inputs): capture next
             else:  # tests: host logits of the canvas replace the decoder (a copy each way, as in GpuBackend.step)
@@ -238,6 +242,8 @@ def run_canvas(backend: Any, k: int, canvas: np.ndarray, draws: SeededDraws, sto
                 backend.buffer[dev.to_device(live)] = dev.to_device(hooked[live])
                 tail(dev, flat_dev, 0.0)
             backend.has_sc = True
+            if bf16_sc is not None:  # from now on the decoder reads B8's probabilities (the first step may
+                backend.sc_probs = backend.sc_buffer()  # have read a caller's, in the buffer)
         # the stop flag: whether each step of this stretch flagged a logit, then when each row stopped
         found = dev.to_host(status[i:end + B])
         stretch_flags, host_finish = found[:end - i], found[end - i:]
@@ -285,7 +291,7 @@ def _decode_on(device: Any, model: Any, canvas: Any, backend: Any, rows: np.ndar
     own = model.device
     model.device = device
     try:
-        model._decoder_logits(canvas, backend.cache, rows, backend.buffer, True)
+        model._decoder_logits(canvas, backend.cache, rows, backend.buffer, True, sc_probs=backend.sc_probs)
     finally:
         model.device = own
 

@@ -685,11 +685,14 @@ def accept_renoise(entropy, sampled, noise, bound: float, accepted, next_canvas)
                    smem)
 
 
-def sample_step(logits, rows, cap: float, temps, step, uniforms, argmax, entropy, sampled, flags) -> Launch:
+def sample_step(logits, rows, cap: float, temps, step, uniforms, argmax, entropy, sampled, flags,
+                bf16_sc=None) -> Launch:
     """The sampling pass of one step of a captured canvas loop (see ``dg_sample_step``): the same launch at
     every step, the step index read from ``step`` (1,) int32. logits (B*C, V) float32; rows (R,) int32 flat
     rows b*C + c; temps (N,) float32 (0: no temperature); uniforms and flags (N, B*C) float64 / int32;
-    argmax, sampled (B*C,) int64; entropy (B*C,) float32."""
+    argmax, sampled (B*C,) int64; entropy (B*C,) float32. bf16_sc: None (the float32 run), or the bf16 flag
+    of a bfloat16 model's run: a (B*C, V) float32 array whose rows ``rows`` receive the next step's
+    self-conditioning probabilities, the float32 softmax of the processed logits rounded to bfloat16 (SPEC B8)."""
     k = "dg_sample_step"
     _ndim(k, "logits", logits, 2)
     n, V = logits.shape
@@ -701,6 +704,7 @@ def sample_step(logits, rows, cap: float, temps, step, uniforms, argmax, entropy
         _shape(k, name, a, (N, n))
     for name, a in (("argmax", argmax), ("entropy", entropy), ("sampled", sampled)):
         _shape(k, name, a, (n,))
+    _shape(k, "bf16_sc", bf16_sc, (n, V))
     if not cap >= 0:
         raise LaunchError(f"{k}: cap ({cap}) must be >= 0 (0 = not applied)")
     smem = 8 * -(-V // const("DG_SAMPLE_CHUNK"))
@@ -709,7 +713,8 @@ def sample_step(logits, rows, cap: float, temps, step, uniforms, argmax, entropy
                           f"memory {sample_static_shared()} more (> {DEFAULT_SHARED_LIMIT})")
     R = rows.shape[0]
     return _launch(k, max(R, 1), const("DG_SAMPLE_THREADS"),
-                   (logits, rows, R, V, cap, temps, step, uniforms, n, argmax, entropy, sampled, flags), smem)
+                   (logits, rows, R, V, cap, temps, step, uniforms, n, argmax, entropy, sampled, flags, bf16_sc),
+                   smem)
 
 
 def step_update(argmax, entropy, sampled, noise, step, bound: float, stop_rule: bool, stability: int,

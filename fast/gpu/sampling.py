@@ -9,9 +9,10 @@ its logits there, the sampling pass turns them into probabilities in place, and 
 self-conditioning input reads those probabilities (softmax of the processed logits, SPEC §7.1) before the
 decoder overwrites the buffer with new logits. Rows that finished denoising are not recomputed, so their
 probabilities stay as they were (the reference's freezing, SPEC §8.2 h). A bfloat16 model keeps a second such
-buffer: its self-conditioning input is the softmax of the processed logits rounded to bfloat16 (SPEC B8), not
-the sampling pass's probabilities, so each step copies its raw logits there first (``_keep_raw_logits``); such
-a run takes the per-step loop (``canvas.applies``).
+buffer (``sc_buffer``): its self-conditioning input is the softmax of the processed logits rounded to bfloat16
+(SPEC B8), not the sampling pass's probabilities. The per-step ``step`` copies its raw logits there first
+(``_keep_raw_logits``) and computes them with separate launches; the device loop's sampling kernel writes
+them there itself (``launch.sample_step``'s bf16 flag), the same bits.
 
 Within a canvas, ``run_canvas`` (``canvas.py``) runs the steps with every piece of the loop's state on the
 device and the host reading only a small stop flag every ``sync_every`` steps and the committed draft; the
@@ -159,14 +160,20 @@ class GpuBackend:
         entropies[live] = dev.to_host(out.entropy).reshape(live.shape[0], C)
         return StepOutput(draft, sampled, entropies)
 
+    def sc_buffer(self) -> Any:
+        """A bfloat16 model's (B, C, V) float32 buffer of self-conditioning probabilities (SPEC B8), allocated
+        by its first use and kept for the run."""
+        if self._sc_buffer is None:
+            with self.dev.context():
+                self._sc_buffer = self.dev.empty((self.B, self.C, self.V), np.float32)
+        return self._sc_buffer
+
     def _keep_raw_logits(self, live: np.ndarray) -> Any:
         """A bfloat16 model: a copy of the step's raw logits (B, C, V) before the sampling pass turns them into
         probabilities (rows ``live`` written), for ``_bf16_self_conditioning``; None for a float32 model."""
         if not getattr(self.model, "bf16", False):
             return None
-        if self._sc_buffer is None:
-            with self.dev.context():
-                self._sc_buffer = self.dev.empty((self.B, self.C, self.V), np.float32)
+        self.sc_buffer()
         for b in live:
             self._sc_buffer[int(b)] = self.buffer[int(b)]
         return self._sc_buffer

@@ -6,6 +6,7 @@
 // categorical_from_uniform), driven by uniforms drawn on the host from the reference's Philox stream.
 
 #include "common.cuh"
+#include "bf16.cuh"
 
 // Processed logit of one vocabulary entry: soft-cap (cap > 0), then division by the temperature (temp > 0),
 // each a float32 operation as in the reference (softcap, then scale_logits).
@@ -47,6 +48,36 @@ __device__ __forceinline__ void dg_stats_merge(DgStats& a, const DgStats& b) {
         dg_stats_rescale(c, a.m);
         a.S += c.S;
         a.A += c.A;
+    }
+}
+
+// An empty stretch: nothing seen (the argmax past the vocabulary).
+__device__ __forceinline__ void dg_stats_start(DgStats& s, int vocab) {
+    s.m = -dg_inf(); s.arg = vocab; s.S = 0.0; s.A = 0.0; s.flags = 0;
+}
+
+// One more processed logit x at index v (indices increasing within a thread's stretch).
+__device__ __forceinline__ void dg_stats_add(DgStats& s, float x, int v) {
+    if (x != x) { s.flags |= 1; return; }
+    if (x == dg_inf()) { s.flags |= 2; return; }
+    if (x == -dg_inf()) return;
+    if (x > s.m) { dg_stats_rescale(s, x); s.arg = v; }
+    const float d = x - s.m;
+    const float e = expf(d);
+    s.S += (double)e;
+    if (e > 0.0f) s.A += (double)e * (double)d;
+}
+
+// Merge the statistics of the 32 lanes of a warp (a butterfly: every lane ends with the warp's).
+__device__ __forceinline__ void dg_stats_warp_merge(DgStats& s) {
+    for (int o = 16; o > 0; o >>= 1) {
+        DgStats other;
+        other.m = __shfl_xor_sync(DG_FULL_MASK, s.m, o);
+        other.arg = __shfl_xor_sync(DG_FULL_MASK, s.arg, o);
+        other.S = __shfl_xor_sync(DG_FULL_MASK, s.S, o);
+        other.A = __shfl_xor_sync(DG_FULL_MASK, s.A, o);
+        other.flags = __shfl_xor_sync(DG_FULL_MASK, s.flags, o);
+        dg_stats_merge(s, other);
     }
 }
 
@@ -93,34 +124,31 @@ __device__ long long dg_cdf_exact(const float* p, int vocab, double u) {
 // The work of one block on one row z of logits (dg_sample_rows, dg_sample_step): u_opt points at the row's
 // uniform (NULL: no draw); argmax, entropy, sampled, flags at the row's outputs; part, row_stats and
 // chunk_sum are the calling kernel's shared memory.
+// bf16_sc_opt (the bf16 flag; NULL: off, the float32 run): a row of vocab floats that receives a bfloat16
+// run's self-conditioning input (SPEC B8: upstream casts the processed logits to bfloat16, then softmaxes them
+// in float32): with xb = bf16(x) (nearest, ties to even, dg_bf16_round), pb = float32(exp(xb - mb)) / float32(Sb),
+// mb and Sb the statistics of xb accumulated exactly as those of x above (the same threads, order and merges).
+// Those are the bits the per-step loop computes with dg_softcap, a float32 division, dg_round_bf16 and
+// dg_sample_rows (cap = temp = 0) on a copy of the row (fast/gpu/sampling.py _bf16_self_conditioning). The
+// row z still receives the float32 probabilities (the draw, the entropy and the argmax are the float32
+// run's). If xb flags what x does not (a finite x that rounds to +inf, every xb -inf), the flag is set and
+// the row left as it was, as for x.
 __device__ __forceinline__ void dg_sample_row(float* z, int vocab, float cap, float temp, const double* u_opt,
                                               long long* argmax, float* entropy, long long* sampled, int* flags,
-                                              DgStats* part, DgStats& row_stats, double* chunk_sum) {
+                                              float* bf16_sc_opt, DgStats* part, DgStats& row_stats,
+                                              double* chunk_sum) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 
     // pass 1: statistics, one element at a time per thread (strided, coalesced), then a block merge
-    DgStats s;
-    s.m = -dg_inf(); s.arg = vocab; s.S = 0.0; s.A = 0.0; s.flags = 0;
+    DgStats s, sb;                                   // sb: the statistics of bf16(x) (bf16_sc_opt only)
+    dg_stats_start(s, vocab);
+    dg_stats_start(sb, vocab);
     for (int v = threadIdx.x; v < vocab; v += blockDim.x) {
         const float x = dg_processed(z[v], cap, temp);
-        if (x != x) { s.flags |= 1; continue; }
-        if (x == dg_inf()) { s.flags |= 2; continue; }
-        if (x == -dg_inf()) continue;
-        if (x > s.m) { dg_stats_rescale(s, x); s.arg = v; }
-        const float d = x - s.m;
-        const float e = expf(d);
-        s.S += (double)e;
-        if (e > 0.0f) s.A += (double)e * (double)d;
+        dg_stats_add(s, x, v);
+        if (bf16_sc_opt) dg_stats_add(sb, dg_bf16_round(x), v);
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        DgStats other;
-        other.m = __shfl_xor_sync(DG_FULL_MASK, s.m, o);
-        other.arg = __shfl_xor_sync(DG_FULL_MASK, s.arg, o);
-        other.S = __shfl_xor_sync(DG_FULL_MASK, s.S, o);
-        other.A = __shfl_xor_sync(DG_FULL_MASK, s.A, o);
-        other.flags = __shfl_xor_sync(DG_FULL_MASK, s.flags, o);
-        dg_stats_merge(s, other);
-    }
+    dg_stats_warp_merge(s);
     if (lane == 0) part[warp] = s;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -137,6 +165,27 @@ __device__ __forceinline__ void dg_sample_row(float* z, int vocab, float cap, fl
     }
     __syncthreads();
     const DgStats t = row_stats;
+    float mb = 0.0f, total_b = 1.0f;
+    if (bf16_sc_opt) {                               // uniform: a kernel argument
+        // the statistics of bf16(x), merged as those of x; part is free again (thread 0 read it before the
+        // barrier above), and thread 0 leaves the block's merge in part[0]
+        dg_stats_warp_merge(sb);
+        if (lane == 0) part[warp] = sb;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            DgStats tb = part[0];
+            for (int w = 1; w < warps; ++w) dg_stats_merge(tb, part[w]);
+            part[0] = tb;
+            int f = tb.flags;
+            if (f == 0 && tb.m == -dg_inf()) f = 4;
+            if (t.flags == 0 && t.m != -dg_inf() && f != 0) *flags = f;
+        }
+        __syncthreads();
+        const DgStats tb = part[0];
+        if (tb.flags != 0 || tb.m == -dg_inf()) return;   // uniform: the host raises for this row
+        mb = tb.m;
+        total_b = (float)tb.S;
+    }
     if (t.flags != 0 || t.m == -dg_inf()) return;   // uniform: the host raises for this row
 
     // pass 2: probabilities in place, and the float64 sum of each chunk of the stored values
@@ -147,8 +196,10 @@ __device__ __forceinline__ void dg_sample_row(float* z, int vocab, float cap, fl
         for (int k = lane; k < DG_SAMPLE_CHUNK; k += 32) {
             const int v = c * DG_SAMPLE_CHUNK + k;
             if (v >= vocab) break;
-            const float p = expf(dg_processed(z[v], cap, temp) - m) / total;
+            const float x = dg_processed(z[v], cap, temp);
+            const float p = expf(x - m) / total;
             z[v] = p;
+            if (bf16_sc_opt) bf16_sc_opt[v] = expf(dg_bf16_round(x) - mb) / total_b;
             acc += (double)p;
         }
         acc = dg_warp_sum_d(acc);
@@ -205,7 +256,7 @@ dg_sample_rows(float* logits, const int* rows, int n_rows, int vocab, float cap,
     const int i = blockIdx.x;
     if (i >= n_rows) return;
     dg_sample_row(logits + (long long)rows[i] * vocab, vocab, cap, temp, uniforms_opt ? uniforms_opt + i : nullptr,
-                  argmax + i, entropy + i, sampled + i, flags + i, part, row_stats, (double*)dg_smem);
+                  argmax + i, entropy + i, sampled + i, flags + i, nullptr, part, row_stats, (double*)dg_smem);
 }
 
 // dg_sample_rows for one denoising step of a canvas whose step is captured once and replayed (fast/gpu/canvas.py):
@@ -213,11 +264,13 @@ dg_sample_rows(float* logits, const int* rows, int n_rows, int vocab, float cap,
 // launch's arguments are the same at every step. Row i of the launch is logits row r = rows[i] of (B*C, vocab),
 // r = b*C + c; its temperature is temps[*step] (0: none), its uniform uniforms[*step * stride + r]; its outputs
 // go to argmax[r], entropy[r], sampled[r] (arrays of B*C) and its flags to flags[*step * stride + r] (stride:
-// B*C). The same results as dg_sample_rows with those arguments.
+// B*C). The same results as dg_sample_rows with those arguments. bf16_sc_opt (the bf16 flag, a bfloat16 model's
+// run; NULL: off): (B*C, vocab), its row r receives B8's self-conditioning probabilities of logits row r
+// (dg_sample_row), the next step's self-conditioning input.
 extern "C" __global__ void __launch_bounds__(DG_SAMPLE_THREADS)
 dg_sample_step(float* logits, const int* rows, int n_rows, int vocab, float cap, const float* temps,
                const int* step, const double* uniforms, long long stride, long long* argmax, float* entropy,
-               long long* sampled, int* flags) {
+               long long* sampled, int* flags, float* bf16_sc_opt) {
     extern __shared__ __align__(16) unsigned char dg_smem[];
     __shared__ DgStats part[DG_SAMPLE_THREADS / 32];
     __shared__ DgStats row_stats;
@@ -226,7 +279,8 @@ dg_sample_step(float* logits, const int* rows, int n_rows, int vocab, float cap,
     const long long s = *step;
     const long long r = rows[i];
     dg_sample_row(logits + r * vocab, vocab, cap, temps[s], uniforms + s * stride + r, argmax + r, entropy + r,
-                  sampled + r, flags + s * stride + r, part, row_stats, (double*)dg_smem);
+                  sampled + r, flags + s * stride + r, bf16_sc_opt ? bf16_sc_opt + r * vocab : nullptr, part,
+                  row_stats, (double*)dg_smem);
 }
 
 // Entropy-bound acceptance and renoising for B batch rows of C positions (one block per row, arrays
