@@ -18,7 +18,7 @@ that writes the float32 probabilities of the draw. Checked:
     of the pass (probabilities, argmax, entropy, draw, flags) are those of the same launch without the flag.
 (b) the device loop of a real bfloat16 model feeds each step the B8 of the previous step's logits (as (a));
 (c) its tokens, forward passes and steps are those of the model's own per-step loop, same draws, on
-    several seeds (rows stopping at different steps included);
+    several seeds (rows stopping at different steps included; once with a caller's self-conditioning logits);
 (d) a kernel whose flag does not round fails (a).
 The copies and launches of a bfloat16 canvas: tests/test_gpu_counts.py.
 """
@@ -215,14 +215,18 @@ def test_bf16_generate_on_the_device_loop_is_the_per_step_loops(small):
         return own(*args, **kw)
 
     stopped_apart = False
-    for seed in (0, 1, 2):
+    for seed in (0, 1, 2, 3):
         prompt = np.random.default_rng(seed).integers(3, 120, size=(2, 5))
+        run = dict(kwargs, random=seed)
+        if seed == 3:  # a caller's self-conditioning logits for the first canvas (its first step reads them)
+            run["self_conditioning_logits"] = (np.random.default_rng(seed).standard_normal((2, 8, 128)) * 3).astype(
+                np.float32)
         with mock.patch.object(canvas_loop, "run_canvas", counted):
-            loop = gpu.generate(model, prompt, random=seed, **kwargs)
-        per_step = gpu.generate(model, prompt, random=seed, backend_options={"device_loop": False}, **kwargs)
+            loop = gpu.generate(model, prompt, **run)
+        per_step = gpu.generate(model, prompt, backend_options={"device_loop": False}, **run)
         np.testing.assert_array_equal(loop.sequences, per_step.sequences)
         np.testing.assert_array_equal(loop.forward_passes, per_step.forward_passes)
         assert loop.steps_per_canvas == per_step.steps_per_canvas
         stopped_apart |= loop.forward_passes[0] != loop.forward_passes[1]
-    assert len(ran) == 6, "a canvas did not run on the device loop"
+    assert len(ran) == 8, "a canvas did not run on the device loop"
     assert stopped_apart, "no run had rows stopping at different steps"
