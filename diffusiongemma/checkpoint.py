@@ -20,18 +20,22 @@ def default_model_dir() -> str:
     return str(resources.files("diffusiongemma") / "assets" / SHIPPED_MODEL)
 
 
-def load_model(path: str, backend: str = "reference"):
+def load_model(path: str, backend: str = "reference", dtype: str = "float32"):
     """The model of ``path`` on ``backend``: "reference" (NumPy), "cpu" (Cython fast path), "gpu" (CuPy),
-    "gpu-sim" (the GPU path with its CUDA kernels executed on the CPU, checked: device "cuda-sim").
+    "gpu-sim" (the GPU path with its CUDA kernels executed on the CPU, checked: device "cuda-sim"), computing
+    in ``dtype``: "float32" (default) or "bfloat16" (upstream's bfloat16 run, docs/SPEC.md §10.1, on every
+    backend).
 
-    Raises ``CheckpointError`` for a missing or malformed directory and ``RuntimeError`` when the backend
-    is not available here (e.g. the compiled extension is not built, or no GPU).
+    Raises ``CheckpointError`` for a missing or malformed directory, ``ConfigError`` for another dtype and
+    ``RuntimeError`` when the backend is not available here (e.g. the compiled extension is not built, or no
+    GPU).
     """
     if backend == "reference":
         from diffusiongemma.reference.model import Model
 
-        return Model.from_pretrained(path)
-    return _backend_module(backend).Model.from_pretrained(path, device={"cpu": "cpu", "gpu": "cuda", "gpu-sim": "cuda-sim"}[backend])
+        return Model.from_pretrained(path, dtype=dtype)
+    device = {"cpu": "cpu", "gpu": "cuda", "gpu-sim": "cuda-sim"}[backend]
+    return _backend_module(backend).Model.from_pretrained(path, device=device, dtype=dtype)
 
 
 class CheckpointReplaced(CheckpointError):
@@ -47,8 +51,9 @@ def _identity(path: str) -> tuple[int, int, int] | None:
     return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
-def load_checkpoint(path: str, backend: str = "reference", attempts: int = 3):
-    """``(text side, model)`` of ``path``, both from the same version of the checkpoint.
+def load_checkpoint(path: str, backend: str = "reference", attempts: int = 3, dtype: str = "float32"):
+    """``(text side, model)`` of ``path``, both from the same version of the checkpoint; the model computes in
+    ``dtype`` (``load_model``).
 
     A directory is opened once and both are read through that handle (``/proc/self/fd/N`` on Linux), so a
     ``convert --force`` that swaps a new checkpoint in meanwhile cannot pair the tokenizer of one version
@@ -62,7 +67,7 @@ def load_checkpoint(path: str, backend: str = "reference", attempts: int = 3):
         fd, pinned = _pin(path)
         try:
             text_side = load_text_side(pinned)
-            model = load_model(pinned, backend)
+            model = load_model(pinned, backend, dtype)
         except CheckpointError as exc:
             if _identity(path) != before:
                 continue  # replaced mid-read: read the new version

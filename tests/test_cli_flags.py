@@ -102,6 +102,32 @@ def test_ignore_eos_runs_the_whole_budget(capsys, model):
     assert ignored["token_ids"][:end] == plain["token_ids"][:end]  # same draws up to the first commit
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu", "gpu-sim"])
+def test_dtype_bfloat16_loads_upstreams_bfloat16_run_on_every_backend(backend):
+    from diffusiongemma.checkpoint import load_model
+
+    for dtype in ("float32", "bfloat16"):
+        assert str(load_model(default_model_dir(), backend, dtype).dtype) == dtype
+
+
+def test_dtype_bfloat16_runs_the_bfloat16_run_and_says_so(capsys):
+    """--dtype bfloat16 gives the bfloat16 reference's run (the library's, same draws), not the float32 one,
+    and the JSON and the summary line say which dtype ran."""
+    args = ["And God said", "--seed", "4", "-n", "16", "--backend", "reference"]
+    bf16 = run_json(capsys, *args, "--dtype", "bfloat16")
+    fp32 = run_json(capsys, *args)
+    assert (bf16["dtype"], fp32["dtype"]) == ("bfloat16", "float32")
+    library = Model.from_pretrained(default_model_dir(), dtype="bfloat16")
+    settings = GenerationConfig.from_dict(bf16["settings"])
+    ids = np.array([bf16["prompt_token_ids"]], dtype=np.int64)
+    out = generate(library, ids, generation_config=settings, random=4)
+    assert list(out.sequences[0, ids.shape[1]:ids.shape[1] + len(bf16["token_ids"])]) == bf16["token_ids"]
+    entropy = [[c["entropy"] for c in run["denoising"]["canvases"]] for run in (bf16, fp32)]
+    assert entropy[0] != entropy[1]  # the rounding reached the logits
+    assert main(["generate", *args, "--dtype", "bfloat16", *SMALL]) == 0
+    assert "backend reference, bfloat16]" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_stop_reason_matches_the_library_and_is_said_in_text(capsys, model):
     C = model.config.canvas_length
@@ -181,6 +207,7 @@ def test_subcommands_come_from_one_table():
     (["generate", "hi", "--max-length", "x"], "argument --max-length: expected a positive integer, got 'x'"),
     (["trace", "--prompt", "hi", "-o", "x", "--seed", "-3"], "argument --seed: expected an integer seed"),
     (["plot", "run.json", "--figure", "pie", "-o", "x.png"], "argument --figure: invalid choice: 'pie'"),
+    (["generate", "hi", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
 ])
 def test_argument_errors_name_the_option(capsys, args, message):
     with pytest.raises(SystemExit) as info:

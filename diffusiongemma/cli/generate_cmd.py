@@ -14,6 +14,7 @@ from .argtypes import non_negative_float, positive_float, positive_int, seed
 BACKENDS = ["auto", "reference", "cpu", "gpu", "gpu-sim"]  # other backends are appended here by their modules
 SEMANTICS_NAMES = ("transformers", "jax", "llama.cpp", "vllm", "mlx-vlm", "diffusers")  # reference.semantics.SEMANTICS
 VIEWS = ("auto", "live", "plain")
+DTYPES = ("float32", "bfloat16")  # reference.primitives.compute_dtype's names
 
 
 class UsageError(ValueError):
@@ -57,6 +58,12 @@ def register(commands, formatter) -> None:
                           "extension imports, else reference; the same tokens for a seed), printed with the "
                           "timings; reference (NumPy), cpu (compiled fast path), gpu (CuPy), gpu-sim (the CUDA "
                           "kernels on the CPU, checked)")
+    gen.add_argument("--dtype", choices=DTYPES, default="float32",
+                     help="float32: the float32 run (transformers loaded in float32); bfloat16: upstream's bfloat16 "
+                          "run, as transformers computes it when loaded with dtype=torch.bfloat16 (weights and "
+                          "activations rounded to bfloat16 where it rounds, docs/SPEC.md §10.1), on every backend: "
+                          "half the weight memory, tensor cores on a GPU; backends agree up to rare one-ulp "
+                          "roundings of float32 sums taken in another order")
     gen.add_argument("--semantics", choices=SEMANTICS_NAMES, default="transformers",
                      help="run the loop with another implementation's stage choices (docs/PEERS.md); "
                           "other than transformers, they run on the reference (--backend auto picks it; cpu and "
@@ -272,7 +279,7 @@ def run(args) -> int:
     path = args.model or default_model_dir()
     check_model_path(path)
     t0 = time.perf_counter()
-    text_side, model = load_checkpoint(path, args.backend)  # one version, even during a convert --force
+    text_side, model = load_checkpoint(path, args.backend, dtype=args.dtype)  # one version, even during a convert --force
     settings = settings_for(args, path, model.config)
     load_seconds = time.perf_counter() - t0
 
@@ -345,7 +352,7 @@ def run(args) -> int:
             "decoder_passes": int(result.forward_passes[0]) if result.forward_passes is not None else None,
             "timings": {"load_s": round(load_seconds, 4), "generate_s": round(seconds, 4), "tokens_per_s": rate},
             "threads": threads.describe(), "settings": settings.to_dict(), "model": path, "backend": args.backend,
-            "backend_choice": backend_choice,
+            "backend_choice": backend_choice, "dtype": args.dtype,
             "version": __version__, "denoising": log.to_json(),
         }, ensure_ascii=False))
     else:
@@ -353,7 +360,8 @@ def run(args) -> int:
         print(f"[{n_real} tokens in {seconds:.2f} s: {n_real / max(seconds, 1e-9):.1f} tokens/s, "
               f"{float(result.tokens_per_forward[0]):.2f} tokens per forward, "
               f"steps per canvas {list(result.steps_per_canvas)}, backend {args.backend}"
-              f"{' (auto)' if backend_choice.startswith('auto') else ''}]", file=sys.stderr)
+              f"{' (auto)' if backend_choice.startswith('auto') else ''}"
+              f"{', bfloat16' if args.dtype == 'bfloat16' else ''}]", file=sys.stderr)
         print(f"[{stop_line}; seed {seed_value}{'' if seed_given else ' (random)'}: --seed {seed_value} repeats "
               "this run]", file=sys.stderr)
     return 0
