@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -31,9 +30,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import machine_facts  # noqa: E402
+from common import device_ms, kernel_bench_device, machine_facts, print_table  # noqa: E402
 from diffusiongemma.fast.gpu import launch as gl  # noqa: E402
-from diffusiongemma.fast.gpu.device import gpu_available, make_device  # noqa: E402
 from diffusiongemma.reference.layers import attend  # noqa: E402
 from diffusiongemma.reference.masks import decoder_visibility, encoder_visibility  # noqa: E402
 from diffusiongemma.reference.primitives import BFLOAT16, round_to  # noqa: E402
@@ -44,25 +42,6 @@ CASES = [("sliding prefill 1k", 1024, 0, 16, 8, 256, 1024, False), ("full prefil
          ("sliding canvas 256", 256, 1023, 16, 8, 256, 0, True), ("full canvas 256", 256, 1024, 16, 2, 512, 0, True)]
 SIM_CASES = [("sliding prefill 40", 40, 0, 4, 2, 64, 16, False), ("full canvas 24", 24, 30, 4, 1, 128, 0, True)]
 
-
-def timed(device, fn, repeats: int) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on a GPU, wall time on cuda-sim)."""
-    fn()
-    device.synchronize()
-    times = []
-    for _ in range(repeats):
-        if device.xp is not np:
-            start, end = device.xp.cuda.Event(), device.xp.cuda.Event()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(device.xp.cuda.get_elapsed_time(start, end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t))
-    return statistics.median(times)
 
 
 def inputs(rng, S: int, past: int, nh: int, g: int, d: int, window: int, decoder: bool) -> dict:
@@ -114,19 +93,10 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=120.0, help="seconds; later cases are skipped after it")
     parser.add_argument("--out", help="also write the table to this Markdown file")
     args = parser.parse_args(argv)
-    if not args.sim:
-        ok, reason = gpu_available()
-        if not ok:
-            print(f"no GPU: {reason}")
-            return 1
-    device = make_device("cuda-sim" if args.sim else "cuda")
-    torch = None
-    if not args.sim:
-        try:
-            import torch as _torch
-            torch = _torch if _torch.cuda.is_available() else None
-        except ImportError:
-            pass
+    opened = kernel_bench_device(args.sim)
+    if opened is None:
+        return 1
+    device, torch = opened
     lines = [f"# dg_attention_bf16 on {getattr(device, 'arch', 'cuda-sim')}", "", machine_facts(), "",
              "| case | S x T, heads / KV heads x d | rows per block, shared KiB | ours bf16 ms | TFLOP/s | "
              "ours fp32 ms | torch bf16 ms | ours bf16 / fp32 | ours bf16 / torch | outside bound |",
@@ -147,8 +117,8 @@ def main(argv=None) -> int:
         l16, l32 = gl.attention_bf16(**call, out=out16), gl.attention(**call, out=out32)
         row_tiles, smem = gl.attention_bf16_plan(S, nh // g, d)
         reps = 1 if args.sim else args.repeats
-        t16 = timed(device, lambda: device.launch(l16), reps)
-        t32 = timed(device, lambda: device.launch(l32), reps)
+        t16 = device_ms(device, lambda: device.launch(l16), reps)
+        t32 = device_ms(device, lambda: device.launch(l32), reps)
         pairs = float(np.count_nonzero(visibility(a, S, past))) * (S if not a["causal"] else 1) * nh
         flops = 4.0 * d * pairs
         t_torch = float("nan")
@@ -160,20 +130,16 @@ def main(argv=None) -> int:
             tv = torch.from_numpy(values).cuda().to(torch.bfloat16).repeat_interleave(nh // g, dim=1)
             sdpa = torch.nn.functional.scaled_dot_product_attention
             if a["causal"] and not a["window"] and not past:
-                t_torch = timed(device, lambda: sdpa(tq, tk, tv, is_causal=True, scale=1.0), args.repeats)
+                t_torch = device_ms(device, lambda: sdpa(tq, tk, tv, is_causal=True, scale=1.0), args.repeats)
             else:
                 mask = torch.from_numpy(np.ascontiguousarray(visibility(a, S, past))).cuda()
-                t_torch = timed(device, lambda: sdpa(tq, tk, tv, attn_mask=mask, scale=1.0), args.repeats)
+                t_torch = device_ms(device, lambda: sdpa(tq, tk, tv, attn_mask=mask, scale=1.0), args.repeats)
             del tq, tk, tv
         bad = outside_bound(a, device.to_host(out16), S, past)
         lines.append(f"| {name} | {S} x {past + S}, {nh} / {g} x {d} | {16 * row_tiles}, {smem / 1024:.1f} | "
                      f"{t16:.3f} | {flops / t16 / 1e9:.1f} | {t32:.3f} | {t_torch:.3f} | {t16 / t32:.2f} | "
                      f"{t16 / t_torch:.2f} | {bad} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    print_table(lines, args.out)
     return 0
 
 

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine_facts  # noqa: E402
+from common import device_ms, kernel_bench_device, machine_facts, print_table  # noqa: E402
 from diffusiongemma.fast.gpu import launch as gl  # noqa: E402
-from diffusiongemma.fast.gpu.device import gpu_available, make_device  # noqa: E402
 from diffusiongemma.reference.primitives import BFLOAT16  # noqa: E402
 
 # hidden 2816; a sliding layer's fused q/k/v: (16 + 2 * 8) heads of 256; the dense MLP's gate/up 2 x 2112 and
@@ -47,25 +45,6 @@ def bound_used(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> float:
     return float(np.max(err / np.maximum(bound, np.finfo(np.float64).tiny)))
 
 
-def timed(device, fn, repeats: int) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on a GPU, wall time on cuda-sim)."""
-    fn()
-    device.synchronize()
-    times = []
-    for _ in range(repeats):
-        if hasattr(device, "xp") and device.xp is not np:
-            start, end = device.xp.cuda.Event(), device.xp.cuda.Event()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(device.xp.cuda.get_elapsed_time(start, end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t))
-    return statistics.median(times)
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -74,19 +53,10 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=120.0, help="seconds; later shapes are skipped after it")
     parser.add_argument("--out", help="also write the table to this Markdown file")
     args = parser.parse_args(argv)
-    if not args.sim:
-        ok, reason = gpu_available()
-        if not ok:
-            print(f"no GPU: {reason}")
-            return 1
-    device = make_device("cuda-sim" if args.sim else "cuda")
-    torch = None
-    if not args.sim:
-        try:
-            import torch as _torch
-            torch = _torch if _torch.cuda.is_available() else None
-        except ImportError:
-            pass
+    opened = kernel_bench_device(args.sim)
+    if opened is None:
+        return 1
+    device, torch = opened
     lines = [f"# dg_gemm_bf16 on {getattr(device, 'arch', 'cuda-sim')}", "", machine_facts(), "",
              "| shape | M x N x K | ours bf16 ms | TFLOP/s | torch bf16 ms | CuPy fp32 ms | ours / torch | "
              "ours / fp32 | bound used |", "|---|---|---|---|---|---|---|---|---|"]
@@ -101,7 +71,7 @@ def main(argv=None) -> int:
         A, B = device.to_device(a.view(np.uint16)), device.to_device(b.view(np.uint16))
         C16 = device.empty((M, N), np.uint16)
         launch = gl.gemm_bf16(A, B, None, C16)
-        ours = timed(device, lambda: device.launch(launch), 3 if args.sim else args.repeats)
+        ours = device_ms(device, lambda: device.launch(launch), 3 if args.sim else args.repeats)
         rows = min(M, 64)
         C = device.empty((rows, N), np.float32)
         device.launch(gl.gemm_bf16(A[:rows], B, C, None))
@@ -111,20 +81,16 @@ def main(argv=None) -> int:
         if torch is not None:
             x = torch.from_numpy(a.view(np.uint16).view(np.int16)).cuda().view(torch.bfloat16)
             w = torch.from_numpy(b.view(np.uint16).view(np.int16)).cuda().view(torch.bfloat16)
-            t_torch = timed(device, lambda: x @ w.T, args.repeats)
+            t_torch = device_ms(device, lambda: x @ w.T, args.repeats)
             del x, w
         if not args.sim:
             xp = device.xp
             x32, w32 = xp.asarray(a.astype(np.float32)), xp.asarray(b.astype(np.float32))
-            t_fp32 = timed(device, lambda: x32 @ w32.T, args.repeats)
+            t_fp32 = device_ms(device, lambda: x32 @ w32.T, args.repeats)
             del x32, w32
         lines.append(f"| {name} | {M} x {N} x {K} | {ours:.3f} | {flops / ours / 1e9:.1f} | {t_torch:.3f} | "
                      f"{t_fp32:.3f} | {ours / t_torch:.2f} | {ours / t_fp32:.2f} | {used:.3f} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    print_table(lines, args.out)
     return 0
 
 

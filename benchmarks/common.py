@@ -56,3 +56,56 @@ def best_of(fn, repeats: int = 5, warmup: int = 1, sync=None) -> float:
         wait()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def device_ms(device, fn, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` on a ``fast.gpu`` device over ``repeats`` calls after one warm-up call:
+    CUDA events around each call on a GPU (CuPy), wall time on cuda-sim (NumPy's ``xp``)."""
+    import numpy as np
+
+    fn()
+    device.synchronize()
+    times = []
+    for _ in range(repeats):
+        if hasattr(device, "xp") and device.xp is not np:
+            start, end = device.xp.cuda.Event(), device.xp.cuda.Event()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(device.xp.cuda.get_elapsed_time(start, end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def kernel_bench_device(sim: bool):
+    """(device, torch) of a kernel benchmark: cuda-sim and no torch for ``sim``; otherwise the GPU and torch where
+    it sees the GPU (else None). None, after printing "no GPU: <reason>", when there is no GPU to run on."""
+    from diffusiongemma.fast.gpu.device import gpu_available, make_device
+
+    if not sim:
+        ok, reason = gpu_available()
+        if not ok:
+            print(f"no GPU: {reason}")
+            return None
+    device = make_device("cuda-sim" if sim else "cuda")
+    torch = None
+    if not sim:
+        try:
+            import torch as _torch
+            torch = _torch if _torch.cuda.is_available() else None
+        except ImportError:
+            pass
+    return device, torch
+
+
+def print_table(lines: list[str], out: str | None) -> None:
+    """Print a benchmark's Markdown table and, with ``out``, also write it to that file."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
