@@ -43,6 +43,7 @@ from diffusiongemma.fast.gpu.sim import KernelCheckError, KernelLibrary, SimDevi
 from diffusiongemma.reference.layers import attend
 from diffusiongemma.reference.masks import decoder_visibility, encoder_visibility
 from diffusiongemma.reference.primitives import BFLOAT16, round_to
+from tests.gpu_kernel_helpers import mutated, nvrtc_or_skip
 
 SOURCE = os.path.join(cb.CUDA_DIR, "attention_bf16.cu")
 f32, f64, i64, i32, u8 = np.float32, np.float64, np.int64, np.int32, np.uint8
@@ -326,9 +327,7 @@ MUTATION_CASES = (
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_the_checks_catch_a_broken_kernel(name):
     old, new = MUTATIONS[name]
-    text = cb.assemble(SOURCE)
-    assert text.count(old) == 1, f"mutation {name!r} no longer applies: update it with the kernel"
-    broken = library(text.replace(old, new))
+    broken = library(mutated(cb.assemble(SOURCE), old, new, name))
     for kw in MUTATION_CASES:
         case = Case(np.random.default_rng(12), **kw)
         try:
@@ -400,16 +399,9 @@ def test_the_released_layers_launch_on_cuda_sim_with_their_plans():
         check(case, run(case))
 
 
-def _nvrtc_or_skip():
-    if cb.load_nvrtc() is None:
-        if os.environ.get(cb.SKIP_ENV) == "1":
-            pytest.skip(f"no libnvrtc and {cb.SKIP_ENV}=1")
-        pytest.fail("no libnvrtc loads (the test extra installs nvidia-cuda-nvrtc-cu12)")
-
-
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_compiles_to_tensor_core_mma_without_spills_and_fits_its_launches(arch):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     text = cb.assemble(SOURCE)
     ptx = cb.nvrtc_ptx(text, arch)
     # the scores: one mma per row tile of the warp (4, unrolled) per 16 of depth (a loop the compiler may unroll

@@ -35,6 +35,7 @@ from diffusiongemma.fast.gpu import build as cb
 from diffusiongemma.fast.gpu import launch as gl
 from diffusiongemma.fast.gpu.sim import KernelCheckError, KernelLibrary, SimDevice
 from diffusiongemma.reference.primitives import BFLOAT16, linear, round_to
+from tests.gpu_kernel_helpers import accumulation_bound, bf16_bits, mutated, nvrtc_or_skip, random_bf16
 
 SOURCE = os.path.join(cb.CUDA_DIR, "gemm_bf16.cu")
 # M, N, K: single elements, one mma tile, whole block tiles, shapes that are multiples of nothing, K = 1,
@@ -46,10 +47,6 @@ SHAPES = [(1, 1, 1), (16, 8, 16), (64, 64, 32), (70, 65, 33), (33, 70, 1), (130,
 def library(text: str | None = None) -> KernelLibrary:
     """The kernel's own source (with its headers) compiled for cuda-sim: ``text`` replaces it when given."""
     return KernelLibrary.from_source(text if text is not None else cb.assemble(SOURCE))
-
-
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(x, np.float32).astype(BFLOAT16).view(np.uint16))
 
 
 def run(a: np.ndarray, b: np.ndarray, lib: KernelLibrary | None = None, dev=None) -> tuple[np.ndarray, np.ndarray]:
@@ -65,16 +62,10 @@ def run(a: np.ndarray, b: np.ndarray, lib: KernelLibrary | None = None, dev=None
     return dev.to_host(c), dev.to_host(c16).view(BFLOAT16).astype(np.float32)
 
 
-def bound(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The accumulation bound of the module docstring, per output element (float64)."""
-    K = a.shape[1]
-    return (2 * K + 16) * 2.0 ** -23 * (np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)).T)
-
-
 def check(a: np.ndarray, b: np.ndarray, c: np.ndarray, c16: np.ndarray) -> None:
     """Raise AssertionError unless the outputs are the product within the stated bound (see the docstring)."""
     exact = a.astype(np.float64) @ b.astype(np.float64).T
-    e = bound(a, b)
+    e = accumulation_bound(a, b)                        # the bound of the module docstring
     err = np.abs(c.astype(np.float64) - exact)
     assert np.all(err <= e), (f"float32 accumulator off by {err.max():.3g} "
                               f"(bound {e.flat[np.argmax(err - e)]:.3g} there)")
@@ -88,10 +79,6 @@ def check(a: np.ndarray, b: np.ndarray, c: np.ndarray, c16: np.ndarray) -> None:
     hi = round_to((ref32 + 2 * e).astype(np.float32), BFLOAT16)
     outside = ~((lo <= c16) & (c16 <= hi))
     assert not outside.any(), f"{np.count_nonzero(outside)} bfloat16 outputs are not a rounding of the reference's sum"
-
-
-def random_bf16(rng: np.random.Generator, shape: tuple, scale: float = 1.0) -> np.ndarray:
-    return round_to((rng.standard_normal(shape) * scale).astype(np.float32), BFLOAT16)
 
 
 @pytest.mark.parametrize("M,N,K", SHAPES)
@@ -234,9 +221,7 @@ MUTATIONS = {
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_the_checks_catch_a_broken_kernel(name):
     old, new = MUTATIONS[name]
-    text = cb.assemble(SOURCE)
-    assert text.count(old) == 1, f"mutation {name!r} no longer applies: update it with the kernel"
-    broken = library(text.replace(old, new))
+    broken = library(mutated(cb.assemble(SOURCE), old, new, name))
     rng = np.random.default_rng(3)
     for K in (33, 34, 64):                                # the element-wise and the 8-byte loads
         a, b = random_bf16(rng, (70, K)), random_bf16(rng, (65, K), 0.05)
@@ -277,16 +262,9 @@ def test_launch_builder_checks_its_operands():
         gl.gemm_bf16(u16, np.zeros((3, 8), np.uint16), np.zeros((4, 4), np.float32))
 
 
-def _nvrtc_or_skip():
-    if cb.load_nvrtc() is None:
-        if os.environ.get(cb.SKIP_ENV) == "1":
-            pytest.skip(f"no libnvrtc and {cb.SKIP_ENV}=1")
-        pytest.fail("no libnvrtc loads (the test extra installs nvidia-cuda-nvrtc-cu12)")
-
-
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_compiles_to_tensor_core_mma_without_spills_and_fits_its_launches(arch):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     text = cb.assemble(SOURCE)
     ptx = cb.nvrtc_ptx(text, arch)
     # 2 x 4 tiles per warp, two k steps of 16 per block step: 16 mma instructions, no fallback on the CUDA cores

@@ -36,12 +36,9 @@ from diffusiongemma.fast.gpu import build as cb
 from diffusiongemma.fast.gpu import launch as gl
 from diffusiongemma.fast.gpu.sim import KernelCheckError, KernelLibrary, SimDevice
 from diffusiongemma.reference.primitives import BFLOAT16, gelu_tanh, linear, round_to
+from tests.gpu_kernel_helpers import accumulation_bound, bf16_bits, mutated, nvrtc_or_skip, random_bf16
 
 MLP_SOURCE = os.path.join(cb.CUDA_DIR, "mlp.cu")
-
-
-def random_bf16(rng: np.random.Generator, shape: tuple, scale: float = 1.0) -> np.ndarray:
-    return round_to((rng.standard_normal(shape) * scale).astype(np.float32), BFLOAT16)
 
 
 # ------------------------------------------------------------------------------------------------ gated GELU
@@ -116,12 +113,10 @@ GELU_MUTATIONS = {
 
 @pytest.mark.parametrize("name", sorted(GELU_MUTATIONS))
 def test_gated_gelu_check_catches_a_broken_kernel(name):
-    old, new = GELU_MUTATIONS[name]
-    text = cb.assemble(MLP_SOURCE)
-    assert text.count(old) == 1, f"mutation {name!r} no longer applies: update it with the kernel"
+    broken = KernelLibrary.from_source(mutated(cb.assemble(MLP_SOURCE), *GELU_MUTATIONS[name], name))
     rng = np.random.default_rng(9)
     gu = random_bf16(rng, (16, 2 * 40), 2.0)
-    got = run_gated_gelu(gu, True, KernelLibrary.from_source(text.replace(old, new)))
+    got = run_gated_gelu(gu, True, broken)
     with pytest.raises(AssertionError):
         check_gated_gelu_bf16(gu, got)
 
@@ -134,16 +129,6 @@ def test_gated_gelu_launch_passes_the_flag():
 
 # ------------------------------------------------------------------------------------------------ grouped GEMM
 MOE_SOURCE = os.path.join(cb.CUDA_DIR, "moe_bf16.cu")
-
-
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(x, np.float32).astype(BFLOAT16).view(np.uint16))
-
-
-def accumulation_bound(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """|float32 sum - exact| <= (2K + 16) 2^-23 sum_k |a_mk| |b_nk| for a (M, K) @ b (N, K).T of bfloat16 values
-    (float64), the bound of tests/test_gpu_bf16.py: the products are exact, K float32 additions in any order."""
-    return (2 * a.shape[1] + 16) * 2.0 ** -23 * (np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)).T)
 
 
 def check_linear(a: np.ndarray, b: np.ndarray, acc: np.ndarray, y: np.ndarray) -> None:
@@ -256,10 +241,7 @@ GEMM_MUTATIONS = {
 
 @pytest.mark.parametrize("name", sorted(GEMM_MUTATIONS))
 def test_grouped_gemm_checks_catch_a_broken_kernel(name):
-    old, new = GEMM_MUTATIONS[name]
-    text = cb.assemble(MOE_SOURCE)
-    assert text.count(old) == 1, f"mutation {name!r} no longer applies: update it with the kernel"
-    broken = moe_library(text.replace(old, new))
+    broken = moe_library(mutated(cb.assemble(MOE_SOURCE), *GEMM_MUTATIONS[name], name))
     rng = np.random.default_rng(4)
     tile_group = np.array([2, -1, 0, 1])
     for k_dim in (34, 64, 33):                       # the element-wise and the 8-byte loads
@@ -331,18 +313,19 @@ def test_combination_is_the_reference_bit_for_bit(bf16):
     assert bf16 == (not np.any(got.view(np.uint32) & 0xFFFF))
 
 
+COMBINE_NOT_ROUNDED = ("o[i] = bf16 ? dg_bf16_to_float(dg_float_to_bf16(s)) : s;", "o[i] = s;")
+
+
 @pytest.mark.parametrize("name,old,new", [
-    ("not rounded", "o[i] = bf16 ? dg_bf16_to_float(dg_float_to_bf16(s)) : s;", "o[i] = s;"),
+    ("not rounded", *COMBINE_NOT_ROUNDED),
     ("each product rounded", "s = __fadd_rn(s, __fmul_rn(expert_out[row * dim + i], weights[(long long)t * K + k]));",
      "s = __fadd_rn(s, dg_bf16_to_float(dg_float_to_bf16(__fmul_rn(expert_out[row * dim + i], "
      "weights[(long long)t * K + k]))));"),
     ("choice order", "const int k = order[a];", "const int k = K - 1 - a;"),
 ])
 def test_combination_check_catches_a_broken_kernel(name, old, new):
-    text = cb.assemble(os.path.join(cb.CUDA_DIR, "moe.cu"))
-    assert text.count(old) == 1, f"mutation {name!r} no longer applies: update it with the kernel"
+    broken = KernelLibrary.from_source(mutated(cb.assemble(os.path.join(cb.CUDA_DIR, "moe.cu")), old, new, name))
     yo, indices, choice_row, weights = combine_case()
-    broken = KernelLibrary.from_source(text.replace(old, new))
     same = [np.array_equal(run_combine(yo, indices, choice_row, weights, bf16, broken),
                            reference_combine(yo, indices, choice_row, weights, bf16)) for bf16 in (False, True)]
     assert not all(same), name
@@ -473,22 +456,17 @@ def check_expert_mix(x, indices, weights, gate_up, down, got) -> None:
     assert differ <= max(1, got.size // 20), f"{differ} of {got.size} outputs differ from the reference's"
 
 
-EXPERT_MIX_MUTATIONS = {  # kernel text -> broken text, anywhere in the assembled sources
-    "combination not rounded": ("o[i] = bf16 ? dg_bf16_to_float(dg_float_to_bf16(s)) : s;", "o[i] = s;"),
-    "GELU not rounded": ("const float gelu = dg_bf16_to_float(dg_float_to_bf16(dg_gelu(g[i])));",
-                         "const float gelu = dg_gelu(g[i]);"),
-    "projection truncated": ("y[at] = dg_bf16_to_float(dg_float_to_bf16(acc[ni][i]));",
-                             "y[at] = __uint_as_float(__float_as_uint(acc[ni][i]) & 0xffff0000u);"),
-    "another expert": ("w + (long long)grp * n_out * k_dim", "w + (long long)(grp > 0 ? grp - 1 : 0) * n_out * k_dim"),
+EXPERT_MIX_MUTATIONS = {  # the kernels' own mutations above, each once in the assembled sources of them all
+    "combination not rounded": COMBINE_NOT_ROUNDED,
+    "GELU not rounded": GELU_MUTATIONS["GELU not rounded"],
+    "projection truncated": GEMM_MUTATIONS["output rounding"],
+    "another expert": GEMM_MUTATIONS["expert offset"],
 }
 
 
 @pytest.mark.parametrize("name", sorted(EXPERT_MIX_MUTATIONS))
 def test_expert_mix_check_catches_a_broken_kernel(name):
-    old, new = EXPERT_MIX_MUTATIONS[name]
-    text = cb.assemble_all()
-    assert text.count(old) == 1, f"mutation {name!r} no longer applies: update it with the kernels"
-    dev = SimDevice(library=KernelLibrary.from_source(text.replace(old, new)))
+    dev = SimDevice(library=KernelLibrary.from_source(mutated(cb.assemble_all(), *EXPERT_MIX_MUTATIONS[name], name)))
     x, indices, weights, gate_up, down = expert_case(5, 21, 3, 5, 40, 24, "one expert takes all")
     x *= 8.0                                        # activations large enough for the GELU's rounding to show
     with pytest.raises(AssertionError):
@@ -582,13 +560,6 @@ def test_router_breaks_ties_to_the_lower_expert_index_as_the_reference(mutated):
 
 
 # ------------------------------------------------------------------------------------------------ compile
-def _nvrtc_or_skip():
-    if cb.load_nvrtc() is None:
-        if os.environ.get(cb.SKIP_ENV) == "1":
-            pytest.skip(f"no libnvrtc and {cb.SKIP_ENV}=1")
-        pytest.fail("no libnvrtc loads (the test extra installs nvidia-cuda-nvrtc-cu12)")
-
-
 def compile_problems(text: str, arch: str) -> list[str]:
     """What is wrong with the NVRTC build of ``text`` (moe_bf16.cu assembled) for ``arch``: [] when it runs its
     4 mma tiles per warp and two k steps of 16 per block step as 8 tensor-core mma instructions (no fallback on
@@ -613,7 +584,7 @@ def compile_problems(text: str, arch: str) -> list[str]:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_grouped_gemm_compiles_to_tensor_core_mma_without_spills(arch):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     assert compile_problems(cb.assemble(MOE_SOURCE), arch) == []
     report = cb.compile_source(cb.assemble(MOE_SOURCE), arch, compiler="nvrtc",
                                name="moe_bf16.cu").kernels["dg_grouped_gemm_bf16"]
@@ -631,7 +602,5 @@ def test_grouped_gemm_compiles_to_tensor_core_mma_without_spills(arch):
      "#pragma unroll 1\n            for (int ni = 0; ni < 4; ++ni) dg_mma_bf16_16816"),
 ])
 def test_compile_check_catches_a_broken_build(name, old, new):
-    _nvrtc_or_skip()
-    text = cb.assemble(MOE_SOURCE)
-    assert text.count(old) == 1, f"mutation {name!r} no longer applies: update it with the kernel"
-    assert compile_problems(text.replace(old, new), "sm_80"), name
+    nvrtc_or_skip()
+    assert compile_problems(mutated(cb.assemble(MOE_SOURCE), old, new, name), "sm_80"), name
