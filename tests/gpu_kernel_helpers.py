@@ -1,6 +1,6 @@
 """Helpers shared by the GPU kernel tests (tests/test_gpu_bf16.py, test_gpu_attention_bf16.py,
 test_gpu_experts_bf16.py, test_gpu_equivalence.py): bfloat16 operands, the accumulation bound of a bfloat16
-product, kernel mutations, the NVRTC requirement of the compile checks.
+product, kernel mutations, the NVRTC requirement of the compile checks, and the float32 experts' launch sequence.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from diffusiongemma.fast.gpu import build as cb
+from diffusiongemma.fast.gpu import launch as gl
 from diffusiongemma.reference.primitives import BFLOAT16, round_to
 
 
@@ -46,3 +47,28 @@ def nvrtc_or_skip() -> None:
             pytest.skip(f"no libnvrtc and {cb.SKIP_ENV}=1")
         pytest.fail("no libnvrtc loads (the test extra installs nvidia-cuda-nvrtc-cu12)")
 
+
+def float32_expert_launches(d, x, indices, weights, gate_up, down, num_experts: int):
+    """The float32 routed experts as the GPU path has always launched them (fast/gpu/model.py, now
+    ``experts.expert_mix(..., bf16=False)``), written out launch by launch on device ``d``: group the tokens by
+    expert, gather their rows, the gate/up grouped GEMM, the gated GELU, the down grouped GEMM, the weighted
+    combination. Device arrays: x (N, H) float32, indices (N, K) int64, weights (N, K) float32, gate_up
+    (E, 2 I_e, H) and down (E, H, I_e) float32. Returns the device arrays out (N, H) and offsets (E + 1,) of the
+    groups."""
+    N, H = x.shape
+    K, E, I_e = indices.shape[1], num_experts, down.shape[2]
+    tiles, rows = gl.moe_rows(N, K, E)
+    offsets, row_token = d.empty((E + 1,), np.int32), d.empty((rows,), np.int32)
+    choice_row, tile_expert = d.empty((N, K), np.int32), d.empty((tiles,), np.int32)
+    d.launch(gl.group_experts(indices, E, offsets, row_token, choice_row, tile_expert))
+    xg = d.empty((rows, H), np.float32)
+    d.launch(gl.gather_rows(x, row_token, xg))
+    gu = d.zeros((rows, 2 * I_e), np.float32)
+    d.launch(gl.grouped_gemm_nt(xg, gate_up, tile_expert, gu))
+    act = d.empty((rows, I_e), np.float32)
+    d.launch(gl.gated_gelu(gu, act))
+    yo = d.empty((rows, H), np.float32)
+    d.launch(gl.grouped_gemm_nt(act, down, tile_expert, yo))
+    out = d.empty((N, H), np.float32)
+    d.launch(gl.combine_experts(yo, indices, choice_row, weights, out))
+    return out, offsets

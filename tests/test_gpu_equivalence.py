@@ -39,6 +39,7 @@ from diffusiongemma.reference.draws import SeededDraws
 from diffusiongemma.reference.generate import generate as reference_generate
 from diffusiongemma.reference.model import Model as ReferenceModel
 from diffusiongemma.reference.primitives import gelu_tanh, softcap
+from tests.gpu_kernel_helpers import float32_expert_launches
 from tests.test_gpu_host import FULL, SLIDING, Recorder, close, fake_logits, random_tensors, tiny_config
 
 GPU_OK, GPU_REASON = gpu.gpu_available()
@@ -247,26 +248,13 @@ def test_moe_pipeline_on_crafted_routings(device, routing):
     d.launch(gl.router(probs, d.to_device(scale), indices, wts))
     np.testing.assert_array_equal(d.to_host(indices), top)
     np.testing.assert_allclose(d.to_host(wts), weights, rtol=1e-5)
-    tiles, rows = gl.moe_rows(N, K, E)
-    offsets, row_token = d.empty((E + 1,), np.int32), d.empty((rows,), np.int32)
-    choice_row, tile_expert = d.empty((N, K), np.int32), d.empty((tiles,), np.int32)
-    d.launch(gl.group_experts(indices, E, offsets, row_token, choice_row, tile_expert))
+    out, offsets = float32_expert_launches(d, d.to_device(x), indices, wts, d.to_device(w_gu), d.to_device(w_down), E)
     counts = np.diff(d.to_host(offsets))
     hit = np.bincount(top.reshape(-1), minlength=E)
     tm = gl.const("DG_GEMM_TM")
     np.testing.assert_array_equal(counts, -(-hit // tm) * tm)
     if routing != "spread":
         assert (hit == N).sum() == K and (hit == 0).sum() == E - K  # experts taking all tokens / none
-    xs = d.empty((rows, H), np.float32)
-    d.launch(gl.gather_rows(d.to_device(x), row_token, xs))
-    gu = d.zeros((rows, 2 * I), np.float32)
-    d.launch(gl.grouped_gemm_nt(xs, d.to_device(w_gu), tile_expert, gu))
-    act = d.empty((rows, I), np.float32)
-    d.launch(gl.gated_gelu(gu, act))
-    yo = d.zeros((rows, H), np.float32)
-    d.launch(gl.grouped_gemm_nt(act, d.to_device(w_down), tile_expert, yo))
-    out = d.empty((N, H), np.float32)
-    d.launch(gl.combine_experts(yo, indices, choice_row, wts, out))
     close(d.to_host(out), expected, tol=2e-5)
 
 

@@ -36,7 +36,8 @@ from diffusiongemma.fast.gpu import build as cb
 from diffusiongemma.fast.gpu import launch as gl
 from diffusiongemma.fast.gpu.sim import KernelCheckError, KernelLibrary, SimDevice
 from diffusiongemma.reference.primitives import BFLOAT16, gelu_tanh, linear, round_to
-from tests.gpu_kernel_helpers import accumulation_bound, bf16_bits, mutated, nvrtc_or_skip, random_bf16
+from tests.gpu_kernel_helpers import (accumulation_bound, bf16_bits, float32_expert_launches, mutated,
+                                      nvrtc_or_skip, random_bf16)
 
 MLP_SOURCE = os.path.join(cb.CUDA_DIR, "mlp.cu")
 
@@ -486,21 +487,7 @@ def test_expert_mix_float32_mode_is_the_sequence_it_replaces():
                        "dg_grouped_gemm_nt", "dg_combine_experts"]
     assert dev.launches[3].args[-1] == 0 and dev.launches[5].args[-1] == 0      # the float32 modes
     d = SimDevice()
-    xs, ind, wts = d.to_device(x), d.to_device(indices), d.to_device(weights)
-    tiles, rows = gl.moe_rows(N, K, E)
-    offsets, row_token = d.empty((E + 1,), np.int32), d.empty((rows,), np.int32)
-    choice_row, tile_expert = d.empty((N, K), np.int32), d.empty((tiles,), np.int32)
-    d.launch(gl.group_experts(ind, E, offsets, row_token, choice_row, tile_expert))
-    xg = d.empty((rows, H), np.float32)
-    d.launch(gl.gather_rows(xs, row_token, xg))
-    gu = d.zeros((rows, 2 * I_e), np.float32)
-    d.launch(gl.grouped_gemm_nt(xg, d.to_device(gate_up), tile_expert, gu))
-    act = d.empty((rows, I_e), np.float32)
-    d.launch(gl.gated_gelu(gu, act))
-    yo = d.empty((rows, H), np.float32)
-    d.launch(gl.grouped_gemm_nt(act, d.to_device(down), tile_expert, yo))
-    out = d.empty((N, H), np.float32)
-    d.launch(gl.combine_experts(yo, ind, choice_row, wts, out))
+    out, _ = float32_expert_launches(d, *(d.to_device(a) for a in (x, indices, weights, gate_up, down)), E)
     assert np.array_equal(got.view(np.uint32), d.to_host(out).view(np.uint32))
     from diffusiongemma.reference.layers import experts
 
