@@ -94,17 +94,9 @@ dg_attention(const float* q, const long long* q_pos, int N, int S, int n_heads, 
             vs[t * d + c] = vv;
         }
         for (int t = threadIdx.x; t < key_tile; t += blockDim.x) {
-            const int key = t0 + t;
-            long long pos = -1;
-            int real = 0;
-            if (key < n_cache) {
-                pos = slot_pos_opt[key];
-                real = pos >= 0 && pos < real_stride && cache_real_opt[(long long)crow * real_stride + pos];
-            } else if (key < T) {
-                pos = new_pos_opt[key - n_cache];
-                real = new_real_opt[(long long)n * n_new + (key - n_cache)] != 0;
-            }
-            kpos[t] = pos;
+            int real;
+            kpos[t] = dg_att_key(t0 + t, T, n_cache, slot_pos_opt, cache_real_opt, crow, real_stride, n, n_new,
+                                 new_pos_opt, new_real_opt, &real);
             kreal[t] = real;
         }
         __syncthreads();

@@ -134,17 +134,9 @@ dg_attention_bf16(const float* q, const long long* q_pos, int N, int S, int n_he
         for (int t0 = 0; t0 < T; t0 += K) {
             __syncthreads();                        // the previous tile is consumed (and rm, rl written)
             for (int tk = threadIdx.x; tk < K; tk += blockDim.x) {
-                const int key = t0 + tk;
-                long long pos = -1;
-                int real = 0;
-                if (key < n_cache) {
-                    pos = slot_pos_opt[key];
-                    real = pos >= 0 && pos < real_stride && cache_real_opt[(long long)crow * real_stride + pos];
-                } else if (key < T) {
-                    pos = new_pos_opt[key - n_cache];
-                    real = new_real_opt[(long long)n * n_new + (key - n_cache)] != 0;
-                }
-                kpos[tk] = pos;
+                int real;
+                kpos[tk] = dg_att_key(t0 + tk, T, n_cache, slot_pos_opt, cache_real_opt, crow, real_stride, n, n_new,
+                                      new_pos_opt, new_real_opt, &real);
                 kreal[tk] = real;
             }
             __syncthreads();

@@ -91,3 +91,23 @@ __device__ __forceinline__ float dg_gelu(float x) {
     float inner = c * (x + 0.044715f * x * x * x);
     return 0.5f * x * (1.0f + tanhf(inner));
 }
+
+// Key `key` of an attention call (dg_attention, dg_attention_bf16) over [a cache row's n_cache slots ++ batch row
+// n's n_new fresh keys], T = n_cache + n_new: returns its position and sets *real to 1 where it is a real token.
+// A slot holds position slot_pos_opt[key] (-1: empty), real where cache_real_opt[crow, position] is set; a fresh
+// key holds new_pos_opt[key - n_cache], real where new_real_opt[n, key - n_cache] is set; past T: -1, not real.
+__device__ __forceinline__ long long dg_att_key(int key, int T, int n_cache, const long long* slot_pos_opt,
+                                                const unsigned char* cache_real_opt, int crow, int real_stride,
+                                                int n, int n_new, const long long* new_pos_opt,
+                                                const unsigned char* new_real_opt, int* real) {
+    long long pos = -1;
+    *real = 0;
+    if (key < n_cache) {
+        pos = slot_pos_opt[key];
+        *real = pos >= 0 && pos < real_stride && cache_real_opt[(long long)crow * real_stride + pos];
+    } else if (key < T) {
+        pos = new_pos_opt[key - n_cache];
+        *real = new_real_opt[(long long)n * n_new + (key - n_cache)] != 0;
+    }
+    return pos;
+}
