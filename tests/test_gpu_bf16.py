@@ -206,11 +206,11 @@ MUTATIONS = {
     # the A fragment's second and third registers swapped (rows g+8 and columns 8.. exchanged)
     "fragment layout": ("af[mi][1] = bottom[0];\n                af[mi][2] = top[4];",
                         "af[mi][2] = bottom[0];\n                af[mi][1] = top[4];"),
-    # the wide loads' two pairs swapped
-    "pair order": ("as[r][2 * q] = (unsigned)v;", "as[r][2 * q] = (unsigned)(v >> 32);"),
-    # the element-wise loads drop the last element of an even K (K % 4 == 2)
-    "even K": ("in && gk + 1 < K ? row[gk + 1] : (unsigned short)0);\n            }\n        }",
-              "in && gk + 2 < K ? row[gk + 1] : (unsigned short)0);\n            }\n        }"),
+    # the wide loads' two pairs swapped (bf16.cuh dg_bf16_stage_wide: A and B)
+    "pair order": ("dst[r][2 * q] = (unsigned)v;", "dst[r][2 * q] = (unsigned)(v >> 32);"),
+    # the element-wise loads of B drop the last element of an even K (K % 4 == 2; bf16.cuh dg_bf16_stage)
+    "even K": ("in && gk + 1 < K ? row[gk + 1] : (unsigned short)0);",
+              "in && gk + 2 < K ? row[gk + 1] : (unsigned short)0);"),
     # a row past M read (the bounds check of cuda-sim, not the numbers, reports it)
     "row bound": ("const bool in = m0 + r < M;", "const bool in = m0 + r <= M;"),
     # the last partial step of K dropped

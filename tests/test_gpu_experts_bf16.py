@@ -218,16 +218,16 @@ GEMM_MUTATIONS = {
     # the A fragment's second and third registers swapped (rows g+8 and columns 8.. exchanged)
     "fragment layout": ("af[1] = xs[g + 8][ks + t];\n            af[2] = xs[g][ks + t + 4];",
                         "af[2] = xs[g + 8][ks + t];\n            af[1] = xs[g][ks + t + 4];"),
-    # the wide weight loads' two pairs swapped
-    "pair order": ("ws[r][2 * q] = (unsigned)v;", "ws[r][2 * q] = (unsigned)(v >> 32);"),
+    # the wide weight loads' two pairs swapped (bf16.cuh dg_bf16_stage_wide, shared with dg_gemm_bf16)
+    "pair order": ("dst[r][2 * q] = (unsigned)v;", "dst[r][2 * q] = (unsigned)(v >> 32);"),
     # the wide activation loads' two values swapped
     "activation pair": ("xs[r][p] = dg_bf16_pair(dg_float_to_bf16(__uint_as_float((unsigned)v)),",
                         "xs[r][p] = dg_bf16_pair(dg_float_to_bf16(__uint_as_float((unsigned)(v >> 32))),"),
-    # the element-wise loads drop the last element of an even k_dim
-    "even K": ("in && gk + 1 < k_dim ? row[gk + 1] : (unsigned short)0);",
-               "in && gk + 2 < k_dim ? row[gk + 1] : (unsigned short)0);"),
-    # a weight row past n_out read (cuda-sim's bounds check reports it)
-    "column bound": ("const bool in = n0 + r < n_out;", "const bool in = n0 + r <= n_out;"),
+    # the element-wise weight loads drop the last element of an even k_dim (bf16.cuh dg_bf16_stage)
+    "even K": ("in && gk + 1 < K ? row[gk + 1] : (unsigned short)0);",
+               "in && gk + 2 < K ? row[gk + 1] : (unsigned short)0);"),
+    # a weight row past n_out read (cuda-sim's bounds check reports it; bf16.cuh dg_bf16_stage)
+    "column bound": ("const bool in = r0 + r < n_rows;", "const bool in = r0 + r <= n_rows;"),
     # the last partial step of k_dim dropped
     "K tail": ("k0 < k_dim; k0 += DG_MOE_BF16_TK", "k0 + DG_MOE_BF16_TK <= k_dim; k0 += DG_MOE_BF16_TK"),
     # tiles of no expert computed with expert 0

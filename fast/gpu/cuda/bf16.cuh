@@ -28,6 +28,47 @@ __device__ __forceinline__ unsigned dg_bf16_pair(unsigned short lo, unsigned sho
     return (unsigned)lo | ((unsigned)hi << 16);
 }
 
+// One block step of a row-major (n_rows, K) bfloat16 matrix m staged in shared memory as bf16 pairs (the tiles of
+// dg_gemm_bf16 and dg_grouped_gemm_bf16): dst[r][p] = (m[r0 + r][k0 + 2p], m[r0 + r][k0 + 2p + 1]) for r < ROWS,
+// p < P, zero past n_rows or K; the block's threads share the work. dg_bf16_stage_wide loads 8 bytes (two pairs)
+// at a time and needs K % 4 == 0 and m 8-byte aligned (then k0 + 4q < K puts all four inside); dg_bf16_stage
+// loads value by value and takes any K and alignment.
+template <int ROWS, int P>
+__device__ __forceinline__ void dg_bf16_stage_wide(unsigned (*dst)[P + 4], const unsigned short* m, int r0,
+                                                   int n_rows, int K, int k0) {
+    for (int i = threadIdx.x; i < ROWS * (P / 2); i += blockDim.x) {
+        const int r = i / (P / 2), q = i - r * (P / 2), gk = k0 + 4 * q;
+        const unsigned long long v = (r0 + r < n_rows && gk < K)
+            ? *(const unsigned long long*)(m + (long long)(r0 + r) * K + gk) : 0ull;
+        dst[r][2 * q] = (unsigned)v;
+        dst[r][2 * q + 1] = (unsigned)(v >> 32);
+    }
+}
+
+template <int ROWS, int P>
+__device__ __forceinline__ void dg_bf16_stage(unsigned (*dst)[P + 4], const unsigned short* m, int r0, int n_rows,
+                                              int K, int k0) {
+    for (int i = threadIdx.x; i < ROWS * P; i += blockDim.x) {
+        const int r = i / P, p = i - r * P, gk = k0 + 2 * p;
+        const unsigned short* row = m + (long long)(r0 + r) * K;
+        const bool in = r0 + r < n_rows;
+        dst[r][p] = dg_bf16_pair(in && gk < K ? row[gk] : (unsigned short)0,
+                                 in && gk + 1 < K ? row[gk + 1] : (unsigned short)0);
+    }
+}
+
+// The B fragments (dg_mma_bf16_16816's b) of four mma tiles side by side, columns n0 + 8 ni .. n0 + 8 ni + 7 for
+// ni < 4, at pair column ks (16 deep) of a tile staged as above (a row of bs per column of B); g, t: the lane's.
+template <int LD>
+__device__ __forceinline__ void dg_bf16_b_frags(unsigned bf[4][2], unsigned (*bs)[LD], int n0, int ks, int g, int t) {
+    #pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+        const unsigned* col = bs[n0 + ni * 8 + g] + ks + t;
+        bf[ni][0] = col[0];
+        bf[ni][1] = col[4];
+    }
+}
+
 // d += A (16 x 16) * B (16 x 8) for one warp, all 32 lanes calling together (lane = threadIdx.x & 31, so a
 // 1-D block of whole warps). The fragments are those of PTX `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`
 // (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"); with g = lane / 4, t = lane % 4:

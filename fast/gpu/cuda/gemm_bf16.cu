@@ -53,20 +53,8 @@ dg_gemm_bf16(const unsigned short* a_opt, const unsigned short* b, float* c_opt,
             for (int i = 0; i < 4; ++i) acc[mi][ni][i] = 0.0f;
     for (int k0 = 0; k0 < K; k0 += DG_BF16_TK) {
         if (wide) {
-            for (int i = threadIdx.x; i < DG_BF16_TM * (P / 2); i += blockDim.x) {
-                const int r = i / (P / 2), q = i - r * (P / 2), gk = k0 + 4 * q;  // gk < K: all 4 are inside
-                const unsigned long long v = (m0 + r < M && gk < K)
-                    ? *(const unsigned long long*)(a + (long long)(m0 + r) * K + gk) : 0ull;
-                as[r][2 * q] = (unsigned)v;
-                as[r][2 * q + 1] = (unsigned)(v >> 32);
-            }
-            for (int i = threadIdx.x; i < DG_BF16_TN * (P / 2); i += blockDim.x) {
-                const int r = i / (P / 2), q = i - r * (P / 2), gk = k0 + 4 * q;
-                const unsigned long long v = (n0 + r < N && gk < K)
-                    ? *(const unsigned long long*)(b + (long long)(n0 + r) * K + gk) : 0ull;
-                bs[r][2 * q] = (unsigned)v;
-                bs[r][2 * q + 1] = (unsigned)(v >> 32);
-            }
+            dg_bf16_stage_wide<DG_BF16_TM, P>(as, a, m0, M, K, k0);
+            dg_bf16_stage_wide<DG_BF16_TN, P>(bs, b, n0, N, K, k0);
         } else {
             for (int i = threadIdx.x; i < DG_BF16_TM * P; i += blockDim.x) {
                 const int r = i / P, p = i - r * P, gk = k0 + 2 * p;
@@ -83,13 +71,7 @@ dg_gemm_bf16(const unsigned short* a_opt, const unsigned short* b, float* c_opt,
                 bs[r][p] = dg_bf16_pair(in && gk < K ? col[(long long)gk * N] : (unsigned short)0,
                                         in && gk + 1 < K ? col[(long long)(gk + 1) * N] : (unsigned short)0);
             }
-            for (int i = threadIdx.x; !b_kn && i < DG_BF16_TN * P; i += blockDim.x) {
-                const int r = i / P, p = i - r * P, gk = k0 + 2 * p;
-                const unsigned short* row = b + (long long)(n0 + r) * K;
-                const bool in = n0 + r < N;
-                bs[r][p] = dg_bf16_pair(in && gk < K ? row[gk] : (unsigned short)0,
-                                        in && gk + 1 < K ? row[gk + 1] : (unsigned short)0);
-            }
+            if (!b_kn) dg_bf16_stage<DG_BF16_TN, P>(bs, b, n0, N, K, k0);
         }
         __syncthreads();
         #pragma unroll
@@ -104,12 +86,7 @@ dg_gemm_bf16(const unsigned short* a_opt, const unsigned short* b, float* c_opt,
                 af[mi][2] = top[4];
                 af[mi][3] = bottom[4];
             }
-            #pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-                const unsigned* col = bs[wn + ni * 8 + g] + ks + t;
-                bf[ni][0] = col[0];
-                bf[ni][1] = col[4];
-            }
+            dg_bf16_b_frags(bf, bs, wn, ks, g, t);
             #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
                 #pragma unroll

@@ -53,13 +53,7 @@ dg_grouped_gemm_bf16(const float* x, const unsigned short* w, const int* tile_gr
                 xs[r][p] = dg_bf16_pair(dg_float_to_bf16(__uint_as_float((unsigned)v)),
                                         dg_float_to_bf16(__uint_as_float((unsigned)(v >> 32))));
             }
-            for (int i = threadIdx.x; i < TN * (P / 2); i += blockDim.x) {
-                const int r = i / (P / 2), q = i - r * (P / 2), gk = k0 + 4 * q;
-                const unsigned long long v = (n0 + r < n_out && gk < k_dim)
-                    ? *(const unsigned long long*)(wg + (long long)(n0 + r) * k_dim + gk) : 0ull;
-                ws[r][2 * q] = (unsigned)v;
-                ws[r][2 * q + 1] = (unsigned)(v >> 32);
-            }
+            dg_bf16_stage_wide<TN, P>(ws, wg, n0, n_out, k_dim, k0);
         } else {
             for (int i = threadIdx.x; i < TM * P; i += blockDim.x) {
                 const int r = i / P, p = i - r * P, gk = k0 + 2 * p;
@@ -67,13 +61,7 @@ dg_grouped_gemm_bf16(const float* x, const unsigned short* w, const int* tile_gr
                 xs[r][p] = dg_bf16_pair(gk < k_dim ? dg_float_to_bf16(row[gk]) : (unsigned short)0,
                                         gk + 1 < k_dim ? dg_float_to_bf16(row[gk + 1]) : (unsigned short)0);
             }
-            for (int i = threadIdx.x; i < TN * P; i += blockDim.x) {
-                const int r = i / P, p = i - r * P, gk = k0 + 2 * p;
-                const unsigned short* row = wg + (long long)(n0 + r) * k_dim;
-                const bool in = n0 + r < n_out;
-                ws[r][p] = dg_bf16_pair(in && gk < k_dim ? row[gk] : (unsigned short)0,
-                                        in && gk + 1 < k_dim ? row[gk + 1] : (unsigned short)0);
-            }
+            dg_bf16_stage<TN, P>(ws, wg, n0, n_out, k_dim, k0);
         }
         __syncthreads();
         #pragma unroll
@@ -83,12 +71,7 @@ dg_grouped_gemm_bf16(const float* x, const unsigned short* w, const int* tile_gr
             af[1] = xs[g + 8][ks + t];
             af[2] = xs[g][ks + t + 4];
             af[3] = xs[g + 8][ks + t + 4];
-            #pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-                const unsigned* col = ws[wn + ni * 8 + g] + ks + t;
-                bf[ni][0] = col[0];
-                bf[ni][1] = col[4];
-            }
+            dg_bf16_b_frags(bf, ws, wn, ks, g, t);
             #pragma unroll
             for (int ni = 0; ni < 4; ++ni) dg_mma_bf16_16816(acc[ni], af, bf[ni]);
         }
