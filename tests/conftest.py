@@ -1,8 +1,8 @@
 """Shared pytest set-up for the test package.
 
-The helpers (``tests.hf_tiny``, ``tests.hf_oracle``, ``tests.random_weights``) are imported as modules of
-this package, so the repository root must be importable; pytest puts it on ``sys.path`` because ``tests/``
-is a package (``tests/__init__.py``).
+The helpers (``tests.hf_tiny``, ``tests.hf_oracle``, ``tests.random_weights``, ``tests.gpu_kernel_helpers``) are
+imported as modules of this package, so the repository root must be importable; pytest puts it on ``sys.path``
+because ``tests/`` is a package (``tests/__init__.py``).
 
 Every test runs in the process state it found: the autouse fixture ``process_state`` puts back, after each
 test, the environment variables, the thread counts of every BLAS and OpenMP library loaded before the test
