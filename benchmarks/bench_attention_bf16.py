@@ -21,7 +21,6 @@ without ``--sim`` it prints "no GPU: <reason>" and exits 1.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import device_ms, kernel_bench_device, machine_facts, print_table  # noqa: E402
+from common import device_ms, kernel_bench_args, kernel_bench_device, machine_facts, print_table  # noqa: E402
 from diffusiongemma.fast.gpu import launch as gl  # noqa: E402
 from diffusiongemma.reference.layers import attend  # noqa: E402
 from diffusiongemma.reference.masks import decoder_visibility, encoder_visibility  # noqa: E402
@@ -87,12 +86,7 @@ def outside_bound(a: dict, out: np.ndarray, S: int, past: int, rows: int = 32) -
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sim", action="store_true", help="run small cases on cuda-sim (no GPU needed)")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--budget", type=float, default=120.0, help="seconds; later cases are skipped after it")
-    parser.add_argument("--out", help="also write the table to this Markdown file")
-    args = parser.parse_args(argv)
+    args = kernel_bench_args(argv, __doc__, 10, "cases")
     opened = kernel_bench_device(args.sim)
     if opened is None:
         return 1

@@ -18,7 +18,6 @@ executor's). Without a GPU and without ``--sim`` it prints "no GPU: <reason>" an
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import device_ms, kernel_bench_device, machine_facts, print_table  # noqa: E402
+from common import device_ms, kernel_bench_args, kernel_bench_device, machine_facts, print_table  # noqa: E402
 from diffusiongemma.fast.gpu import launch as gl  # noqa: E402
 from diffusiongemma.reference.primitives import BFLOAT16  # noqa: E402
 
@@ -47,12 +46,7 @@ def bound_used(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sim", action="store_true", help="run small shapes on cuda-sim (no GPU needed)")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--budget", type=float, default=120.0, help="seconds; later shapes are skipped after it")
-    parser.add_argument("--out", help="also write the table to this Markdown file")
-    args = parser.parse_args(argv)
+    args = kernel_bench_args(argv, __doc__, 20, "shapes")
     opened = kernel_bench_device(args.sim)
     if opened is None:
         return 1

@@ -81,6 +81,19 @@ def device_ms(device, fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def kernel_bench_args(argv, doc: str, repeats: int, items: str):
+    """The options of a kernel benchmark (``--sim``, ``--repeats``, ``--budget``, ``--out``) parsed from ``argv``;
+    ``doc``: the script's docstring (its first line describes it), ``items``: what its table rows are ("shapes")."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--sim", action="store_true", help=f"run small {items} on cuda-sim (no GPU needed)")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--budget", type=float, default=120.0, help=f"seconds; later {items} are skipped after it")
+    parser.add_argument("--out", help="also write the table to this Markdown file")
+    return parser.parse_args(argv)
+
+
 def kernel_bench_device(sim: bool):
     """(device, torch) of a kernel benchmark: cuda-sim and no torch for ``sim``; otherwise the GPU and torch where
     it sees the GPU (else None). None, after printing "no GPU: <reason>", when there is no GPU to run on."""
