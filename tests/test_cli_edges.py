@@ -193,11 +193,11 @@ def test_a_replace_between_tokenizer_and_weights_gives_one_version(two_versions,
     path, real_load_model = two_versions["a"], checkpoint.load_model
     calls = []
 
-    def replaced_during_load(where, backend="reference"):
+    def replaced_during_load(where, backend="reference", dtype="float32"):
         calls.append(where)
         if len(calls) == 1:
             _swap_in(path, two_versions["b"], delete_old_files)
-        return real_load_model(where, backend)
+        return real_load_model(where, backend, dtype)
 
     monkeypatch.setattr(checkpoint, "load_model", replaced_during_load)
     text_side, model = checkpoint.load_checkpoint(path)
@@ -210,9 +210,9 @@ def test_a_replace_that_never_ends_is_reported_as_such(two_versions, monkeypatch
 
     path, real_load_model = two_versions["a"], checkpoint.load_model
 
-    def always_replaced(where, backend="reference"):
+    def always_replaced(where, backend="reference", dtype="float32"):
         os.utime(path)  # the checkpoint at path changes during every read
-        return real_load_model(where, backend)
+        return real_load_model(where, backend, dtype)
 
     monkeypatch.setattr(checkpoint, "load_model", always_replaced)
     with pytest.raises(checkpoint.CheckpointReplaced, match=r"was replaced while it was being read, 3 times"):
@@ -226,11 +226,11 @@ def test_generate_loads_tokenizer_and_weights_through_one_pinned_version(two_ver
     path, real_load_model = two_versions["a"], checkpoint.load_model
     calls, seen = [], []
 
-    def replaced_during_load(where, backend="reference"):
+    def replaced_during_load(where, backend="reference", dtype="float32"):
         calls.append(where)
         if len(calls) == 1:
             _swap_in(path, two_versions["b"], delete_old_files=True)
-        model = real_load_model(where, backend)
+        model = real_load_model(where, backend, dtype)
         seen.append(model.config.rms_norm_eps)
         return model
 

@@ -582,29 +582,15 @@ def grouped_gemm_nt(x, w, tile_group, y) -> Launch:
     """Per row tile m of TM rows: ``y[tile] = x[tile] @ w[tile_group[m]].T``. x (tiles*TM, K); w (G, n_out, K);
     tile_group (tiles,) int32; y (tiles*TM, n_out)."""
     k = "dg_grouped_gemm_nt"
-    tm, tn = const("DG_GEMM_TM"), const("DG_GEMM_TN")
-    _ndim(k, "w", w, 3)
-    _ndim(k, "tile_group", tile_group, 1)
-    G, n_out, K = w.shape
-    if G == 0:
-        raise LaunchError(f"{k}: w holds no group (shape {tuple(w.shape)}); every tile names one")
-    tiles = tile_group.shape[0]
-    _shape(k, "x", x, (tiles * tm, K))
-    _shape(k, "y", y, (tiles * tm, n_out))
-    if tiles > 65535:
-        raise LaunchError(f"{k}: {tiles} row tiles exceed the grid's y limit 65535")
-    return _launch(k, (max(1, -(-n_out // tn)), max(tiles, 1)), const("DG_GEMM_THREADS"),
+    tiles, n_out, K = _grouped_operands(k, x, w, tile_group, y)
+    return _launch(k, (max(1, -(-n_out // const("DG_GEMM_TN"))), max(tiles, 1)), const("DG_GEMM_THREADS"),
                    (x, w, tile_group, y, tiles, n_out, K))
 
 
-def grouped_gemm_bf16(x, w, tile_group, y, y_acc=None) -> Launch:
-    """The bfloat16 ``grouped_gemm_nt`` on tensor cores (see ``dg_grouped_gemm_bf16``): per row tile m of TM rows,
-    ``y[tile] = bf16(x[tile] @ w[tile_group[m]].T)`` with float32 sums. x (tiles*TM, K) float32 holding bfloat16
-    values; w (G, n_out, K) uint16 bfloat16 bits (each expert's (out, in) matrix); tile_group (tiles,) int32;
-    y (tiles*TM, n_out) float32, the outputs rounded to bfloat16; y_acc: None or (tiles*TM, n_out) float32, the
-    float32 accumulator as it is."""
-    k = "dg_grouped_gemm_bf16"
-    tm, tn = const("DG_GEMM_TM"), const("DG_MOE_BF16_TN")
+def _grouped_operands(k: str, x, w, tile_group, y, y_acc=None) -> tuple[int, int, int]:
+    """(tiles, n_out, K) of a grouped product's operands, checked (both grouped GEMMs: TM-row tiles, each
+    naming one of G matrices of w (G, n_out, K))."""
+    tm = const("DG_GEMM_TM")
     _ndim(k, "w", w, 3)
     _ndim(k, "tile_group", tile_group, 1)
     G, n_out, K = w.shape
@@ -616,7 +602,18 @@ def grouped_gemm_bf16(x, w, tile_group, y, y_acc=None) -> Launch:
     _shape(k, "y_acc", y_acc, (tiles * tm, n_out))
     if tiles > 65535:
         raise LaunchError(f"{k}: {tiles} row tiles exceed the grid's y limit 65535")
-    return _launch(k, (max(1, -(-n_out // tn)), max(tiles, 1)), const("DG_MOE_BF16_THREADS"),
+    return tiles, n_out, K
+
+
+def grouped_gemm_bf16(x, w, tile_group, y, y_acc=None) -> Launch:
+    """The bfloat16 ``grouped_gemm_nt`` on tensor cores (see ``dg_grouped_gemm_bf16``): per row tile m of TM rows,
+    ``y[tile] = bf16(x[tile] @ w[tile_group[m]].T)`` with float32 sums. x (tiles*TM, K) float32 holding bfloat16
+    values; w (G, n_out, K) uint16 bfloat16 bits (each expert's (out, in) matrix); tile_group (tiles,) int32;
+    y (tiles*TM, n_out) float32, the outputs rounded to bfloat16; y_acc: None or (tiles*TM, n_out) float32, the
+    float32 accumulator as it is."""
+    k = "dg_grouped_gemm_bf16"
+    tiles, n_out, K = _grouped_operands(k, x, w, tile_group, y, y_acc)
+    return _launch(k, (max(1, -(-n_out // const("DG_MOE_BF16_TN"))), max(tiles, 1)), const("DG_MOE_BF16_THREADS"),
                    (x, w, tile_group, y, y_acc, tiles, n_out, K))
 
 
