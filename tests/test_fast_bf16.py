@@ -33,6 +33,7 @@ from diffusiongemma.fast.experts import ExpertPanels, pack_panels, unpack_panels
 from diffusiongemma.fast.weights import MATRICES_KEPT_BF16
 from diffusiongemma.reference.support.quantized import BFLOAT16, is_bfloat16, widen
 from tests.random_weights import make_config, random_tensors
+from tests.test_fast_experts import run_experts
 
 ISAS = K.PANEL_ISAS
 
@@ -78,14 +79,6 @@ def test_bf16_panels_give_the_float32_panels_bits_on_the_widened_weights(m, n, k
         got = panel_product(x, w, isa)
         assert got.tobytes() == panel_product(x, wide, isa).tobytes(), isa
     np.testing.assert_allclose(got, x.astype(np.float64) @ wide.T.astype(np.float64), rtol=1e-4, atol=1e-4)
-
-
-def run_experts(panels: ExpertPanels, x, offsets):
-    R, I, H = x.shape[0], panels.moe_intermediate_size, panels.hidden_size
-    gu, act, y = (np.full((R, 2 * I), np.nan, np.float32), np.full((R, I), np.nan, np.float32),
-                  np.full((R, H), np.nan, np.float32))
-    panels(x, offsets, gu, act, y)
-    return y
 
 
 def test_bf16_experts_give_the_widened_experts_bits_at_one_or_two_threads_in_half_the_bytes():
