@@ -41,17 +41,10 @@ cap() {  # cap N: N seconds, or what is left of the budget when that is less (at
     [ "$left" -lt "$1" ] && { [ "$left" -lt 1 ] && echo 1 || echo "$left"; } || echo "$1"
 }
 
-. benchmarks/gpu_stages.sh  # stage (time-boxed, logged) and set_up (wheels, editable install)
+. benchmarks/gpu_stages.sh  # stage (time-boxed, logged), set_up (wheels, editable install) and environment
 
 set_up
 
-environment() {
-    nvidia-smi 2>&1
-    "$PY" --version
-    "$PY" -c "import numpy, cupy, torch, transformers; print('numpy', numpy.__version__, '| cupy', cupy.__version__, '| torch', torch.__version__, torch.version.cuda, '| transformers', transformers.__version__)" 2>&1
-    "$PY" -c "from diffusiongemma.fast import gpu; print(gpu.gpu_available())" 2>&1
-    git log -1 --format='commit %h %cI' 2>&1
-}
 stage environment 15 bash -c "$(declare -f environment); PY='$PY' environment" > "$RESULTS/environment.txt"
 cat "$RESULTS/environment.txt"
 

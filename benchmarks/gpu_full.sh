@@ -26,16 +26,10 @@ export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 BUDGET="${DG_FULL_BUDGET:-450}"
 START=$(date +%s)
 
-. benchmarks/gpu_stages.sh  # stage (time-boxed, logged) and set_up (wheels, editable install)
+. benchmarks/gpu_stages.sh  # stage (time-boxed, logged), set_up (wheels, editable install) and environment
 
 set_up
 
-environment() {
-    nvidia-smi 2>&1
-    "$PY" --version
-    "$PY" -c "import numpy, cupy, torch, transformers; print('numpy', numpy.__version__, '| cupy', cupy.__version__, '| torch', torch.__version__, torch.version.cuda, '| transformers', transformers.__version__)" 2>&1
-    git log -1 --format='commit %h %cI' 2>&1 || echo "commit ${DG_COMMIT:-unknown}"
-}
 stage environment 15 bash -c "$(declare -f environment); PY='$PY' environment" > "$RESULTS/environment.txt"
 head -20 "$RESULTS/environment.txt"
 
