@@ -24,6 +24,7 @@ toolkit: ``.ci/run`` sets it), ``DIFFUSIONGEMMA_NVRTC`` (path of libnvrtc.so), `
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -226,11 +227,7 @@ def compile_with_nvrtc(text: str, arch: str, lib: ctypes.CDLL | None = None, nam
     """Compile ``text`` to a cubin for ``arch`` with NVRTC (``--gpu-architecture=sm_XX``, ptxas verbose when
     this NVRTC accepts ``--ptxas-options=-v``); raise ``CompileError`` with the program log."""
     _check_arch(arch)
-    lib = lib or load_nvrtc()
-    if lib is None:
-        raise CompilerNotFound("no NVRTC library was found (pip install nvidia-cuda-nvrtc, or set "
-                               "DIFFUSIONGEMMA_NVRTC to the path of libnvrtc.so)")
-    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    lib = _nvrtc_library(lib)
     base = [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *extra_options]
     log, status = _nvrtc_run(lib, text, name, base + ["--ptxas-options=-v"])
     if status != 0 and "ptxas-options" in log:  # an NVRTC that does not know the option: compile without it
@@ -241,13 +238,33 @@ def compile_with_nvrtc(text: str, arch: str, lib: ctypes.CDLL | None = None, nam
     return CompileResult(name, arch, "nvrtc", log, parse_ptxas_report(log))
 
 
+def _nvrtc_library(lib: ctypes.CDLL | None) -> ctypes.CDLL:
+    """``lib``, else the NVRTC library found here (``load_nvrtc``); ``CompilerNotFound`` when there is none."""
+    lib = lib or load_nvrtc()
+    if lib is None:
+        raise CompilerNotFound("no NVRTC library was found (pip install nvidia-cuda-nvrtc-cu12, or set "
+                               "DIFFUSIONGEMMA_NVRTC to the path of libnvrtc.so)")
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
 def _nvrtc_run(lib: ctypes.CDLL, text: str, name: str, options: list[str]) -> tuple[str, int]:
     """nvrtcCreateProgram + nvrtcCompileProgram; returns (program log, status of the compile call)."""
+    with _nvrtc_program(lib, text, name, options) as (_, status, log):
+        return log, status
+
+
+@contextlib.contextmanager
+def _nvrtc_program(lib: ctypes.CDLL, text: str, name: str, options: list[str]):
+    """The program NVRTC compiles from ``text`` under ``options``, destroyed on exit: yields (program, status
+    of the compile call, program log); a program NVRTC could not create yields (None, its status, a line
+    saying so)."""
     prog = ctypes.c_void_p()
     status = lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), os.path.basename(name).encode() or b"k.cu",
                                     0, None, None)
     if status != 0:
-        return f"nvrtcCreateProgram failed with status {status}", status
+        yield None, status, f"nvrtcCreateProgram failed with status {status}"
+        return
     try:
         opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
         status = lib.nvrtcCompileProgram(prog, len(options), opts)
@@ -255,7 +272,7 @@ def _nvrtc_run(lib: ctypes.CDLL, text: str, name: str, options: list[str]) -> tu
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         buf = ctypes.create_string_buffer(max(size.value, 1))
         lib.nvrtcGetProgramLog(prog, buf)
-        return buf.value.decode(errors="replace"), status
+        yield prog, status, buf.value.decode(errors="replace")
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -267,34 +284,19 @@ def nvrtc_ptx(text: str, arch: str = "sm_80", options: tuple = NVRTC_OPTIONS, li
     instructions a compile mode produces (tests/test_gpu_compile.py: no fused multiply-add under
     ``--fmad=false``). Raises ``CompilerNotFound`` / ``CompileError`` as ``compile_with_nvrtc``."""
     _check_arch(arch)
-    lib = lib or load_nvrtc()
-    if lib is None:
-        raise CompilerNotFound("no NVRTC library was found (pip install nvidia-cuda-nvrtc-cu12, or set "
-                               "DIFFUSIONGEMMA_NVRTC to the path of libnvrtc.so)")
-    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-    prog = ctypes.c_void_p()
-    status = lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), os.path.basename(name).encode() or b"k.cu",
-                                    0, None, None)
-    if status != 0:
-        raise CompileError(f"NVRTC could not create a program for {name} (status {status})")
-    try:
-        flags = [f"--gpu-architecture=compute_{arch[3:].rstrip('a')}", *options]
-        opts = (ctypes.c_char_p * len(flags))(*[o.encode() for o in flags])
-        status = lib.nvrtcCompileProgram(prog, len(flags), opts)
+    lib = _nvrtc_library(lib)
+    flags = [f"--gpu-architecture=compute_{arch[3:].rstrip('a')}", *options]
+    with _nvrtc_program(lib, text, name, flags) as (prog, status, log):
+        if prog is None:
+            raise CompileError(f"NVRTC could not create a program for {name} (status {status})")
         if status != 0:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            buf = ctypes.create_string_buffer(max(size.value, 1))
-            lib.nvrtcGetProgramLog(prog, buf)
             reason = lib.nvrtcGetErrorString(status).decode(errors="replace")
-            raise CompileError(f"NVRTC failed on {name} for {arch} ({reason})", buf.value.decode(errors="replace"))
+            raise CompileError(f"NVRTC failed on {name} for {arch} ({reason})", log)
         size = ctypes.c_size_t()
         lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
         buf = ctypes.create_string_buffer(max(size.value, 1))
         lib.nvrtcGetPTX(prog, buf)
         return buf.value.decode(errors="replace")
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
 def compile_source(text: str, arch: str, compiler: str | None = None, name: str = "<text>") -> CompileResult:
