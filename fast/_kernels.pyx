@@ -674,6 +674,36 @@ cdef inline void _blas_serial_end(int previous) noexcept nogil:
         _blas_set_threads(previous)
 
 
+cdef struct _GemmTiles:
+    Py_ssize_t tm, tn      # rows and columns of a tile (the last row / column of tiles may be smaller)
+    Py_ssize_t col_tiles   # tiles across the N columns
+    Py_ssize_t count       # tiles in all
+
+
+cdef _GemmTiles _gemm_tiles(Py_ssize_t M, Py_ssize_t N):
+    """The output tiles of ``gemm`` and ``gemm_bf16`` for an (M, N) product: at most GEMM_TILE_COLS columns,
+    and GEMM_TILE_ROWS rows once M exceeds 2 * GEMM_TILE_ROWS (M, N > 0)."""
+    cdef _GemmTiles t
+    t.tm = M if M <= 2 * GEMM_TILE_ROWS else GEMM_TILE_ROWS
+    t.tn = N if N <= GEMM_TILE_COLS else GEMM_TILE_COLS
+    t.col_tiles = (N + t.tn - 1) // t.tn
+    t.count = ((M + t.tm - 1) // t.tm) * t.col_tiles
+    return t
+
+
+cdef bint _empty_product(float[:, ::1] out, Py_ssize_t K):
+    """True when an (M, N) product has nothing to sum: no output (M or N is 0), or K = 0 (out set to 0)."""
+    cdef Py_ssize_t i, j
+    if out.shape[0] == 0 or out.shape[1] == 0:
+        return True
+    if K == 0:
+        for i in range(out.shape[0]):
+            for j in range(out.shape[1]):
+                out[i, j] = 0.0
+        return True
+    return False
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def gemm(const float[:, ::1] a, const float[:, ::1] b, bint trans_b, float[:, ::1] out):
@@ -693,18 +723,11 @@ def gemm(const float[:, ::1] a, const float[:, ::1] b, bint trans_b, float[:, ::
     if Kb != K or out.shape[0] != M or out.shape[1] != N:
         raise ValueError(f"gemm: shapes {(a.shape[0], a.shape[1])} @ {(b.shape[0], b.shape[1])}"
                          f"{'.T' if trans_b else ''} -> {(out.shape[0], out.shape[1])} do not match")
-    if M == 0 or N == 0:
+    if _empty_product(out, K):
         return
-    cdef Py_ssize_t i, j
-    if K == 0:
-        for i in range(M):
-            for j in range(N):
-                out[i, j] = 0.0
-        return
-    cdef Py_ssize_t tm = M if M <= 2 * GEMM_TILE_ROWS else GEMM_TILE_ROWS
-    cdef Py_ssize_t tn = N if N <= GEMM_TILE_COLS else GEMM_TILE_COLS
-    cdef Py_ssize_t row_tiles = (M + tm - 1) // tm, col_tiles = (N + tn - 1) // tn
-    cdef Py_ssize_t tiles = row_tiles * col_tiles, t, i0, j0, mi, nj
+    cdef _GemmTiles plan = _gemm_tiles(M, N)
+    cdef Py_ssize_t tm = plan.tm, tn = plan.tn, col_tiles = plan.col_tiles, tiles = plan.count
+    cdef Py_ssize_t t, i0, j0, mi, nj
     cdef int64_t lda = a.strides[0] // sizeof(float), ldc = out.strides[0] // sizeof(float)
     cdef int64_t ldb = b.strides[0] // sizeof(float)
     cdef const float *A = &a[0, 0]
@@ -763,18 +786,11 @@ def gemm_bf16(const float[:, ::1] a, w, float[:, ::1] out, scratch=None):
     if b.shape[1] != K or out.shape[0] != M or out.shape[1] != N:
         raise ValueError(f"gemm_bf16: shapes {(a.shape[0], a.shape[1])} @ {(b.shape[0], b.shape[1])}.T"
                          f" -> {(out.shape[0], out.shape[1])} do not match")
-    if M == 0 or N == 0:
+    if _empty_product(out, K):
         return
-    cdef Py_ssize_t i, j
-    if K == 0:
-        for i in range(M):
-            for j in range(N):
-                out[i, j] = 0.0
-        return
-    cdef Py_ssize_t tm = M if M <= 2 * GEMM_TILE_ROWS else GEMM_TILE_ROWS
-    cdef Py_ssize_t tn = N if N <= GEMM_TILE_COLS else GEMM_TILE_COLS
-    cdef Py_ssize_t row_tiles = (M + tm - 1) // tm, col_tiles = (N + tn - 1) // tn
-    cdef Py_ssize_t tiles = row_tiles * col_tiles, t, i0, j0, mi, nj
+    cdef _GemmTiles plan = _gemm_tiles(M, N)
+    cdef Py_ssize_t tm = plan.tm, tn = plan.tn, col_tiles = plan.col_tiles, tiles = plan.count
+    cdef Py_ssize_t t, i0, j0, mi, nj
     cdef int64_t lda = a.strides[0] // sizeof(float), ldc = out.strides[0] // sizeof(float)
     cdef int64_t ldb = b.strides[0] // sizeof(uint16_t)
     cdef const float *A = &a[0, 0]
