@@ -275,7 +275,7 @@ class GpuOps:
     every buffer fresh from the device's pool (a captured pass keeps the buffers it used). Never copies
     between host and device."""
 
-    bf16 = False  # the float32 run (``Bf16GpuOps``: the bfloat16 one)
+    bf16 = False  # the float32 run; ``Bf16GpuOps``: the bfloat16 one (the kernels' ``bf16`` flags set)
 
     def __init__(self, model: "Model"):
         self.model, self.config = model, model.config
@@ -291,7 +291,8 @@ class GpuOps:
         return self.model.device.empty(shape, dtype)
 
     def embed(self, ids, table, signal, normed: bool, out) -> None:
-        self.model.device.launch(gl.embed(ids, table, self.config.embed_scale, signal, normed, out, self.eps))
+        self.model.device.launch(gl.embed(ids, table, self.config.embed_scale, signal, normed, out, self.eps,
+                                          bf16=self.bf16))
 
     def probs_times_embedding(self, probs, rows: np.ndarray, C: int, table, out) -> None:
         """``out = probs[rows] @ table`` (N*C, H), one product per row (the rows of the (B, C, V) buffer are
@@ -322,20 +323,21 @@ class GpuOps:
         self.model.device.xp.matmul(a, b, out=out)
 
     def rms_norm(self, x, weight, out) -> None:
-        self.model.device.launch(gl.rms_norm(x, weight, out, self.eps))
+        self.model.device.launch(gl.rms_norm(x, weight, out, self.eps, bf16=int(self.bf16)))
 
     def router_input(self, h, weight, out) -> None:
-        self.model.device.launch(gl.rms_norm(h, weight, out, self.eps, post=self.router_factor))
+        self.model.device.launch(gl.rms_norm(h, weight, out, self.eps, post=self.router_factor,
+                                             bf16=2 if self.bf16 else 0))
 
     def heads(self, proj, N, S, n_h, g, d, has_v, q_norm, k_norm, cos, sin, q, k, v) -> None:
         self.model.device.launch(gl.qkv_heads(proj, N, S, n_h, g, d, has_v, q_norm, k_norm, cos, sin, q, k, v,
-                                              self.eps))
+                                              self.eps, bf16=self.bf16))
 
     def residual_norm_add(self, h, y, weight) -> None:
-        self.model.device.launch(gl.residual_norm(h, y, weight, 1.0, self.eps))
+        self.model.device.launch(gl.residual_norm(h, y, weight, 1.0, self.eps, bf16=self.bf16))
 
     def gated_gelu(self, gate_up, out) -> None:
-        self.model.device.launch(gl.gated_gelu(gate_up, out))
+        self.model.device.launch(gl.gated_gelu(gate_up, out, bf16=self.bf16))
 
     def route(self, logits, per_expert_scale, indices, weights) -> None:
         self.model.device.launch(gl.router(logits, per_expert_scale, indices, weights))
@@ -355,7 +357,7 @@ class GpuOps:
     def feed_forward_residual(self, h, dense, moe, w, scalar) -> int:
         """The block's fused tail; 0: the GPU pass counts no non-finite rows (``diagnosis.py`` does)."""
         self.model.device.launch(gl.ffn_tail(h, dense, moe, w.post_ffn_norm_1, w.post_ffn_norm_2,
-                                             w.post_ffn_norm, scalar, self.eps))
+                                             w.post_ffn_norm, scalar, self.eps, bf16=self.bf16))
         return 0
 
 
@@ -368,10 +370,11 @@ class Bf16GpuOps(GpuOps):
       here), float32 accumulation, the output rounded (``linear``); the self-conditioning ``probs @ E`` reads
       the (V, H) table as stored ("nn") with the float32 probabilities rounded on load (B8);
     * norms (B2, B5, B7), the router's input (B6: norm, times scale, times H^-1/2, each rounded), the residual
-      adds and the layer scalar, the embedding (B1: the scale rounded first), the heads' norms and RoPE (B4):
-      the float32 kernels with their ``bf16`` flag;
-    * the gated GELU (GELU and product rounded), the experts (``experts.expert_mix`` in bfloat16) and the
-      attention (``dg_attention_bf16``, chosen by ``_GpuKeys.attend``);
+      adds and the layer scalar, the embedding (B1: the scale rounded first), the heads' norms and RoPE (B4),
+      the gated GELU (GELU and product rounded): ``GpuOps``'s launches of the float32 kernels, with their
+      ``bf16`` flag set (``bf16 = True``);
+    * the experts (``experts.expert_mix`` in bfloat16) and the attention (``dg_attention_bf16``, chosen by
+      ``_GpuKeys.attend``);
     * the router's softmax, top-K and weights stay float32 (upstream's ``softmax(dtype=float32)``).
     """
 
@@ -380,10 +383,6 @@ class Bf16GpuOps(GpuOps):
     def __init__(self, model: "Model"):
         super().__init__(model)
         self.embed_scale = np.float32(round_to(np.float32(model.config.embed_scale), BFLOAT16))  # B8
-
-    def embed(self, ids, table, signal, normed: bool, out) -> None:
-        self.model.device.launch(gl.embed(ids, table, self.config.embed_scale, signal, normed, out, self.eps,
-                                          bf16=True))
 
     def probs_times_embedding(self, probs, rows: np.ndarray, C: int, table, out) -> None:
         """``out = bf16(bf16(probs[rows]) @ table)`` (N*C, H), one product per row, the (V, H) table of bits as
@@ -403,27 +402,6 @@ class Bf16GpuOps(GpuOps):
         """``out = bf16(a @ b)`` where ``b`` is the transposed view ``w.T`` of bfloat16 bits ``w`` (out, in), as
         ``fast.block`` passes every weight; a float32 (bf16-valued)."""
         self.model.device.launch(gl.gemm_bf16(None, b.T, out, a_f32=a, round_c=True))
-
-    def rms_norm(self, x, weight, out) -> None:
-        self.model.device.launch(gl.rms_norm(x, weight, out, self.eps, bf16=1))
-
-    def router_input(self, h, weight, out) -> None:
-        self.model.device.launch(gl.rms_norm(h, weight, out, self.eps, post=self.router_factor, bf16=2))
-
-    def heads(self, proj, N, S, n_h, g, d, has_v, q_norm, k_norm, cos, sin, q, k, v) -> None:
-        self.model.device.launch(gl.qkv_heads(proj, N, S, n_h, g, d, has_v, q_norm, k_norm, cos, sin, q, k, v,
-                                              self.eps, bf16=True))
-
-    def residual_norm_add(self, h, y, weight) -> None:
-        self.model.device.launch(gl.residual_norm(h, y, weight, 1.0, self.eps, bf16=True))
-
-    def gated_gelu(self, gate_up, out) -> None:
-        self.model.device.launch(gl.gated_gelu(gate_up, out, bf16=True))
-
-    def feed_forward_residual(self, h, dense, moe, w, scalar) -> int:
-        self.model.device.launch(gl.ffn_tail(h, dense, moe, w.post_ffn_norm_1, w.post_ffn_norm_2,
-                                             w.post_ffn_norm, scalar, self.eps, bf16=True))
-        return 0
 
 
 class _GpuKeys:
