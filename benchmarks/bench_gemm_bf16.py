@@ -44,7 +44,6 @@ def bound_used(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> float:
     return float(np.max(err / np.maximum(bound, np.finfo(np.float64).tiny)))
 
 
-
 def main(argv=None) -> int:
     args = kernel_bench_args(argv, __doc__, 20, "shapes")
     opened = kernel_bench_device(args.sim)
