@@ -7,7 +7,7 @@ denoises a canvas reading that cache.
 
 Encoder and decoder share every weight except the per-layer scalar (``encoder_layer_scalar`` vs
 ``decoder_layer_scalar``). By default all computation is float32 NumPy; bfloat16 checkpoints are widened
-exactly on load. ``Model(..., dtype="bfloat16")`` is upstream's bfloat16 run instead (SPEC §10): weights
+exactly, each tensor as a layer uses it (``support/weight_store.py``: the weights stay in their files). ``Model(..., dtype="bfloat16")`` is upstream's bfloat16 run instead (SPEC §10): weights
 rounded to bfloat16 on load, arithmetic in float32, every result rounded where transformers loaded with
 ``dtype=torch.bfloat16`` stores a bfloat16 tensor (``primitives.round_to``). Upstream:
 ``DiffusionGemmaEncoderTextModel`` and ``DiffusionGemmaDecoderModel`` of transformers 5.24.0 with its
@@ -27,7 +27,8 @@ from .layers import attend, feed_forward, lower_index_top_k, project_qkv
 from .masks import canvas_window, decoder_visibility, encoder_visibility
 from .primitives import (compute_dtype, embed, gated_mlp, linear, rms_norm, rope_cos_sin, rope_inverse_frequencies,
                          round_to, softcap)
-from .support.checkpoint_io import check_tensors, load_checkpoint
+from .support.checkpoint_io import check_tensors, open_checkpoint
+from .support.weight_store import StreamedWeights, WeightStore
 from .support.checks import (check_attention_mask, check_denoise_inputs, check_model_cache, check_positions,
                              check_token_ids)
 from .support.diagnosis import forward_fault
@@ -64,26 +65,33 @@ class Model:
         check_tensors(tensors, config)
         self.config = config
         self.dtype = compute_dtype(dtype)
-        self.tensors = {name: round_to(np.ascontiguousarray(t, dtype=np.float32), self.dtype)
-                        for name, t in tensors.items()}
-        self.layers = [  # per layer: that layer's tensors without the "layers.{l}." prefix
-            {name[len(f"layers.{l}."):]: t for name, t in self.tensors.items() if name.startswith(f"layers.{l}.")}
-            for l in range(config.num_hidden_layers)
-        ]
+        if isinstance(tensors, WeightStore):  # a checkpoint's mapped files: each tensor widened when used, not kept
+            self.tensors = StreamedWeights(tensors, self.dtype)
+            self.layers = [self.tensors.layer(l) for l in range(config.num_hidden_layers)]
+        else:  # arrays in memory: widened (and rounded) once
+            self.tensors = {name: round_to(np.ascontiguousarray(t, dtype=np.float32), self.dtype)
+                            for name, t in tensors.items()}
+            self.layers = [  # per layer: that layer's tensors without the "layers.{l}." prefix
+                {name[len(f"layers.{l}."):]: t for name, t in self.tensors.items() if name.startswith(f"layers.{l}.")}
+                for l in range(config.num_hidden_layers)
+            ]
         self._omega = {kind: rope_inverse_frequencies(config.rope_parameters[kind], d)
                        for kind, d in zip(config.layer_types, config.layer_head_dim)}
 
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: str | np.dtype = "float32") -> "Model":
-        """Load a converted checkpoint directory, or a transformers checkpoint directory (converted in memory).
+        """Open a converted checkpoint directory, a transformers checkpoint directory or a GGUF file.
 
+        The weights stay in their files (``support.weight_store``: mapped, each tensor widened to float32, or
+        rounded for the bfloat16 run, when a layer uses it and dropped after), so memory does not grow with
+        the number of layers and the first pass starts without reading the whole model.
         dtype: "float32" (default) or "bfloat16" (upstream's bfloat16 run, see the class notes).
-        Raises ``CheckpointError`` when ``path`` is neither, or when its tensors are wrong, and
-        ``ConfigError`` for an invalid config or dtype.
+        Raises ``CheckpointError`` when ``path`` is neither, or when its tensors are wrong (a NaN or
+        infinite value: when that tensor is first used), and ``ConfigError`` for an invalid config or dtype.
         """
         compute_dtype(dtype)  # a bad dtype fails before the weights are read
-        return cls(*load_checkpoint(path), dtype=dtype)
+        return cls(*open_checkpoint(path), dtype=dtype)
 
     def new_cache(self, batch_size: int) -> KVCache:
         """An empty KV cache for ``batch_size`` rows."""
@@ -134,10 +142,11 @@ class Model:
             if not np.isfinite(h).all():
                 raise forward_fault(self.tensors, "encode", f"the output of encoder layer {l}", h, l, cache)
             retained.append((keys, values))
+        out = rms_norm(h, self.tensors["final_norm"], config.rms_norm_eps, dt)
         for l, (keys, values) in enumerate(retained):  # commit only once every layer succeeded
             cache.retain(l, keys, values)
         cache.is_real = is_real
-        return rms_norm(h, self.tensors["final_norm"], config.rms_norm_eps, dt)
+        return out
 
     # ------------------------------------------------------------------ decoder
     def self_conditioning_embedding(self, logits: np.ndarray) -> np.ndarray:

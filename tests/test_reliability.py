@@ -342,8 +342,11 @@ def test_inf_in_a_norm_weight_is_refused_not_capped(tmp_path):
     config, tensors = tiny()
     tensors["final_norm"][0] = np.inf
     path = write_converted(tmp_path / "ckpt", config, tensors, dtype="bfloat16")
+    model = ReferenceModel.from_pretrained(path)  # the weights stay mapped: values are checked as first read
+    cache = model.new_cache(1)
     with pytest.raises(CheckpointError, match=r"'final_norm' holds 1 NaN or infinite .*inf"):
-        ReferenceModel.from_pretrained(path)
+        model.encode(np.array([[1, 2, 3]]), cache)
+    assert cache.length == 0  # refused before the cache took the pass's keys
 
 
 def test_a_tensor_the_index_does_not_list_is_refused(tmp_path):

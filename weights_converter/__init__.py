@@ -36,14 +36,23 @@ def _is_gguf_file(path: str) -> bool:
     return os.path.isfile(path) and path.lower().endswith(".gguf")
 
 
-def _read_gguf(path: str, keep_quantized: bool = False, keep_bf16: bool = False):
-    from .gguf import load_gguf_checkpoint  # imports the gguf package only when a GGUF file is read
+def _read_gguf(path: str, keep_quantized: bool = False, keep_bf16: bool = False, mapped: bool = False):
+    # imports the gguf package only when a GGUF file is read
+    if mapped:  # the weight store over the file's mapping (reference.support.weight_store)
+        from .gguf import open_gguf_checkpoint
+
+        return open_gguf_checkpoint(path)
+    from .gguf import load_gguf_checkpoint
 
     return load_gguf_checkpoint(path, keep_quantized=keep_quantized, keep_bf16=keep_bf16)
 
 
-def _read_transformers(path: str, keep_quantized: bool = False, keep_bf16: bool = False):
+def _read_transformers(path: str, keep_quantized: bool = False, keep_bf16: bool = False, mapped: bool = False):
     # safetensors here hold no quantized type; bfloat16 ones stay bfloat16 with keep_bf16
+    if mapped:
+        from .conversion import open_transformers_checkpoint
+
+        return open_transformers_checkpoint(path)
     from .conversion import load_transformers_checkpoint
 
     return load_transformers_checkpoint(path, keep_bf16=keep_bf16)

@@ -294,3 +294,34 @@ def load_transformers_checkpoint(src: str | os.PathLike, progress: bool = False,
                                 _label(plan, name))
                for name, array in iter_source_tensors(plan, progress)}
     return plan.checkpoint.config, tensors
+
+
+def open_transformers_checkpoint(src: str | os.PathLike) -> tuple[ModelConfig, "WeightStore"]:
+    """``(config, WeightStore)`` of a transformers checkpoint directory: its safetensors files mapped, nothing
+    read but headers (``reference.support.weight_store``). Same plan and errors as
+    ``load_transformers_checkpoint`` (names, shapes, dtypes, tied copies present); each tensor's values are
+    checked finite, and each tied copy equal to its source, the first time the tensor is read."""
+    from diffusiongemma.reference.support.weight_store import (MappedFile, StoredTensor, WeightStore,
+                                                               safetensors_array, safetensors_header)
+
+    plan = plan_conversion(TransformersCheckpoint.open(src))
+    files: dict[str, tuple] = {}
+
+    def stored(tensor: SourceTensor) -> StoredTensor:
+        if tensor.path not in files:
+            mapped = MappedFile(tensor.path)
+            files[tensor.path] = (mapped, safetensors_header(mapped)[0])
+        mapped, header = files[tensor.path]
+        return StoredTensor.of_array(safetensors_array(mapped, header[tensor.name]), f"{tensor.path}: {tensor.name}")
+
+    tensors = {name: stored(tensor) for name, tensor in plan.sources.items()}
+    checks = {}
+    for name, tensor in plan.sources.items():
+        copies = [(copy.name, stored(copy)) for copy in plan.tied_copies.get(tensor.name, ())]
+        if copies:
+            def tied(source=tensors[name], key=tensor.name, copies=copies):
+                for copy_key, copy in copies:
+                    for (_, a), (_, b) in zip(copy.chunks(), source.chunks()):
+                        _check_tied_copy(np.asarray(a), np.asarray(b), copy_key, key)
+            checks[name] = tied
+    return plan.checkpoint.config, WeightStore(tensors, [f for f, _ in files.values()], plan.checkpoint.path, checks)

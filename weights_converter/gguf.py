@@ -989,6 +989,67 @@ def load_gguf_checkpoint(path: str | os.PathLike, progress: bool = False, keep_q
     return checkpoint.config, tensors
 
 
+def open_gguf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, "WeightStore"]:
+    """``(config, WeightStore)`` of a diffusion-gemma GGUF file: the file mapped, nothing read but its header.
+
+    Names, shapes and types are checked as ``plan_gguf`` does; each tensor is a view of the mapping in its
+    stored type (F32, F16 and BF16 as arrays, Q8_0 as ``Q8_0Tensor`` blocks, any other type dequantized by the
+    gguf package as it is read), split expert gate/up halves joined on read; values are checked finite, and an
+    ``output.weight`` equal to ``token_embd.weight``, the first time each is read (``WeightStore.checked``).
+    The mapping is made from the descriptor the header was read from: the tensors come from the same file
+    even if another is renamed over ``path`` meanwhile.
+    """
+    from gguf import GGMLQuantizationType, quants
+
+    from diffusiongemma.reference.support.weight_store import MappedFile, StoredTensor, WeightStore
+
+    checkpoint = GGUFCheckpoint.open(path)
+    plan = plan_gguf(checkpoint)
+    pinned = f"/proc/self/fd/{checkpoint.fd}"
+    mapped = MappedFile(checkpoint.path, pinned if checkpoint.fd is not None and os.path.exists(pinned) else None)
+
+    def stored(gguf_tensor: str, project: str) -> StoredTensor:
+        info = checkpoint.tensors[gguf_tensor]
+        qtype = GGMLQuantizationType(info.tensor_type)
+        shape = checkpoint.numpy_shape(gguf_tensor)
+        where = f"{checkpoint.path}: {gguf_tensor} ({project})"
+        if info.data_offset + info.n_bytes > mapped.size:
+            raise CheckpointError(f"{checkpoint.path}: tensor {gguf_tensor!r} is truncated (it ends at byte "
+                                  f"{info.data_offset + info.n_bytes}, the file has {mapped.size})")
+        if qtype == GGMLQuantizationType.BF16:
+            return StoredTensor.of_array(mapped.view(info.data_offset, info.n_bytes, BFLOAT16, shape), where)
+        if qtype.name in ("F32", "F16"):
+            return StoredTensor.of_array(mapped.view(info.data_offset, info.n_bytes, np.dtype(_RAW_DTYPES[qtype.name]),
+                                                     shape), where)
+        blocks = mapped.view(info.data_offset, info.n_bytes, np.uint8, quants.quant_shape_to_byte_shape(shape, qtype))
+        if qtype == GGMLQuantizationType.Q8_0:
+            return StoredTensor.of_q8_0(blocks, shape, where)
+
+        def dequantized(index):
+            try:
+                return np.asarray(quants.dequantize(blocks if index is None else blocks[index], qtype), dtype=np.float32)
+            except NotImplementedError as exc:
+                raise CheckpointError(f"{checkpoint.path}: tensor {gguf_tensor!r} has type {qtype.name}, which the "
+                                      "gguf package cannot dequantize") from exc
+        return StoredTensor(shape, qtype.name.lower(), where, dequantized, info.n_bytes)
+
+    tensors = {}
+    for name, sources in plan.items():
+        parts = [stored(s, name) for s in sources]
+        tensors[name] = parts[0] if len(parts) == 1 else StoredTensor.joined(parts, 1, f"{checkpoint.path}: {name}")
+    checks = {}
+    if OUTPUT in checkpoint.tensors:
+        head = stored(OUTPUT, "embed_tokens")
+
+        def tied_head():
+            for (offset, table), (_, rows) in zip(tensors["embed_tokens"].chunks(), head.chunks()):
+                if not np.array_equal(widen(rows), widen(table)):
+                    raise CheckpointError(f"{checkpoint.path}: tensor {OUTPUT!r} differs from 'token_embd.weight'; "
+                                          "an untied output projection is not supported")
+        checks["embed_tokens"] = tied_head
+    return checkpoint.config, WeightStore(tensors, [mapped, checkpoint], checkpoint.path, checks)
+
+
 # ================================================================================================ tokenizer
 def build_tokenizer(checkpoint: GGUFCheckpoint):
     """A ``tokenizers.Tokenizer`` from the ``tokenizer.ggml.*`` metadata.

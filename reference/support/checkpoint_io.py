@@ -25,6 +25,7 @@ from ..config import ModelConfig
 from ..weights import LAYER_TENSORS, expected_shapes
 from .quantized import Q8_0Tensor
 from .errors import CheckpointError, ConfigError
+from .weight_store import MappedFile, StoredTensor, WeightStore, safetensors_array, safetensors_header
 
 FORMAT_NAME = "diffusiongemma"
 FORMAT_VERSION = 1
@@ -44,14 +45,15 @@ def to_float32(array: np.ndarray, name: str = "tensor") -> np.ndarray:
 _FINITE_CHECK_CHUNK = 1 << 22  # elements per chunk of the finiteness scan (bounds its temporary)
 
 
-def check_finite(array: np.ndarray, name: str = "tensor", what: str = "refusing a broken checkpoint") -> None:
+def check_finite(array: np.ndarray, name: str = "tensor", what: str = "refusing a broken checkpoint",
+                 offset: int = 0) -> None:
     """Raise ``CheckpointError`` naming ``name`` if ``array`` holds a NaN or an infinity.
 
     The one finiteness rule for weights of every layout (converted, transformers, in memory): a NaN or
     infinite weight is refused wherever it comes from, since it would turn into NaN logits, or, in a norm
     weight, into logits soft-capped to +-c that still generate. Scans in chunks so that the boolean
     temporary stays small for multi-gigabyte tensors; the message counts NaN and infinite values and
-    gives the first flat index.
+    gives the first flat index (plus ``offset``, when ``array`` is a piece of a larger tensor).
     """
     if isinstance(array, Q8_0Tensor):  # its int8 values are finite; its scales may not be
         array = array.scales
@@ -63,7 +65,7 @@ def check_finite(array: np.ndarray, name: str = "tensor", what: str = "refusing 
             nan, inf = int(np.count_nonzero(np.isnan(values))), int(np.count_nonzero(np.isinf(values)))
             first = int(np.flatnonzero(~np.isfinite(values))[0])
             raise CheckpointError(f"tensor {name!r} holds {nan + inf} NaN or infinite value(s) ({nan} NaN, "
-                                  f"{inf} inf, in {array.dtype}; the first at flat index {first} is "
+                                  f"{inf} inf, in {array.dtype}; the first at flat index {first + offset} is "
                                   f"{float(values[first])}); {what}")
 
 
@@ -71,7 +73,9 @@ def check_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig, finite
     """Raise ``CheckpointError`` unless ``tensors`` holds exactly the expected names and shapes.
 
     With ``finite`` (the default; every ``Model`` constructor uses it) every tensor must also hold only
-    finite values (``check_finite``), so that no backend ever runs on NaN or infinite weights.
+    finite values (``check_finite``), so that no backend ever runs on NaN or infinite weights. A
+    ``weight_store.WeightStore`` checks its own tensors' values, each the first time it is read
+    (``WeightStore.checked``), so here only its names and shapes are checked.
     """
     expected = expected_shapes(config)
     missing = [n for n in expected if n not in tensors]
@@ -85,7 +89,7 @@ def check_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig, finite
         got = tuple(tensors[name].shape) if isinstance(tensors[name], Q8_0Tensor) else tuple(np.shape(tensors[name]))
         if got != shape:
             raise CheckpointError(f"tensor {name!r} has shape {got}, expected {shape}")
-    if finite:
+    if finite and not isinstance(tensors, WeightStore):
         for name in expected:
             check_finite(tensors[name], name, "refusing to run on it")
 
@@ -191,6 +195,61 @@ def load_converted(path: str | os.PathLike, keep_bf16: bool = False) -> tuple[Mo
             if attempt == 2:
                 raise
     raise AssertionError("unreachable")
+
+
+def open_converted(path: str | os.PathLike) -> tuple[ModelConfig, WeightStore]:
+    """A converted checkpoint directory as a ``WeightStore``: every weight file mapped, nothing read but headers.
+
+    The same checks as ``load_converted`` on everything a header says (index, digests, listed and unknown
+    tensors, dtypes, names and shapes), and the same errors; values are checked finite as they are first
+    read (``WeightStore.checked``). The files are opened through one handle of the directory, so the store
+    maps one version of the checkpoint even if ``convert --force`` replaces it meanwhile (the mappings then
+    keep the replaced files whole until the store is dropped).
+    """
+    path = os.fspath(path)
+    fd, base = _pinned_directory(path)
+    try:
+        index = read_index(path, base)
+        try:
+            config = ModelConfig.from_dict(index["model_config"])
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}/{INDEX_FILE}: bad model_config ({exc})") from exc
+        by_file: dict[str, list[str]] = {}
+        for name, filename in index["weight_map"].items():
+            by_file.setdefault(filename, []).append(name)
+        digests = index.get("file_digests", {})
+        want_dtype = _SAFETENSORS_DTYPES[index["dtype"]]
+        tensors: dict[str, StoredTensor] = {}
+        files = []
+        for filename, names in by_file.items():
+            file_path = os.path.join(path, filename)
+            if not os.path.isfile(os.path.join(base, filename)):
+                raise CheckpointError(f"{path}: weight file {filename!r} listed in {INDEX_FILE} is missing")
+            mapped = MappedFile(file_path, os.path.join(base, filename))
+            files.append(mapped)
+            header, metadata, _ = safetensors_header(mapped)
+            if filename in digests and metadata.get("diffusiongemma.digest") != digests[filename]:
+                raise CheckpointChanged(
+                    f"{file_path}: its digest {metadata.get('diffusiongemma.digest')!r} is not the "
+                    f"{digests[filename]!r} that {INDEX_FILE} records: the directory was replaced while it was "
+                    "being read, or mixes files of two conversions")
+            extra = sorted(set(header) - set(names))
+            if extra:
+                raise CheckpointError(f"{file_path}: holds tensor(s) {extra[:5]} that {INDEX_FILE} does "
+                                      "not list (a file of another conversion?)")
+            for name in names:
+                if name not in header:
+                    raise CheckpointError(f"{file_path}: tensor {name!r} listed in {INDEX_FILE} is not in the file")
+                if header[name]["dtype"] != want_dtype:
+                    raise CheckpointError(f"{file_path}: tensor {name!r} is stored as {header[name]['dtype']}, but "
+                                          f"{INDEX_FILE} says dtype {index['dtype']!r} ({want_dtype})")
+                tensors[name] = StoredTensor.of_array(safetensors_array(mapped, header[name]), f"{file_path}: {name}")
+    finally:
+        if fd is not None:
+            os.close(fd)
+    store = WeightStore(tensors, files, path)
+    check_tensors(store, config)
+    return config, store
 
 
 def _load_converted_once(path: str, keep_bf16: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -319,3 +378,21 @@ def load_checkpoint(path: str | os.PathLike, keep_quantized: bool = False,
         raise CheckpointError(f"model path {path!r} does not exist")
     known = ", ".join([f"a converted diffusiongemma directory ({INDEX_FILE})"] + [name for name, _, _ in readers])
     raise CheckpointError(f"{path!r} is not a checkpoint this project reads; it reads {known}")
+
+
+def open_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, WeightStore]:
+    """``(config, WeightStore)`` of a checkpoint, its weight files mapped and nothing read but headers: a
+    converted directory (``open_converted``), or any format a registered reader maps (its ``read`` called with
+    ``mapped=True``; the converter's transformers and GGUF readers do). Every ``Model.from_pretrained``
+    loads through this, so a model never holds more of a checkpoint than the tensors it is using.
+
+    Same errors as ``load_checkpoint``, with the values' finiteness checked as each tensor is first read.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path) and is_converted_checkpoint(path):
+        return open_converted(path)
+    readers = checkpoint_readers()
+    for _, matches, read in readers:
+        if matches(path):
+            return read(path, mapped=True)
+    return load_checkpoint(path)  # raises the errors for a path no reader knows

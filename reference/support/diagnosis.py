@@ -70,4 +70,4 @@ def forward_fault(tensors: Mapping[str, np.ndarray], stage: str, where: str, arr
     if cache is not None and layer is not None:
         inputs = {f"cache keys of layer {layer}": cache.keys[layer],
                   f"cache values of layer {layer}": cache.values[layer]}
-    return non_finite_error(stage, where, array, {n: tensors[n] for n in names}, inputs)
+    return non_finite_error(stage, where, array, {n: np.asarray(tensors[n]) for n in names}, inputs)
