@@ -73,6 +73,7 @@ from diffusiongemma.reference.support.errors import InputError
 SLIDING, FULL = "sliding_attention", "full_attention"
 DTYPES = ("bfloat16", "float32")
 GGUF_TYPES = ("f32", "f16", "q8_0")  # those of diffusiongemma.gguf_writer
+GGUF_BYTES = {"f32": 4, "f16": 2, "q8_0": 34 / 32}  # bytes per weight at most (Q8_0: 32 int8 + a float16 scale)
 SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float32": "F32"}
 BYTES = {"bfloat16": 2, "float32": 4}
 DEFAULT_SHARD_SIZE = 5 * 10 ** 9  # bytes of tensor data per file (the released checkpoint's files are about this)
@@ -497,16 +498,19 @@ def make_checkpoint(path: str | os.PathLike, layers: int = 30, dtype: str = "bfl
     weight_bytes = parameters * BYTES[dtype]
     needed = weight_bytes
     if gguf is not None:
-        needed += parameters * {"f32": 4, "f16": 2, "q8_0": 1.07}[gguf]
+        encoded = parameters * GGUF_BYTES[gguf]
+        needed += encoded
+        # write_gguf holds the model in float32 and, until the file is written, every encoded tensor too
+        memory = 4 * parameters + (0 if gguf == "f32" else encoded)
         available = _available_memory()
-        if available is not None and 4 * parameters > available:
-            raise InputError(f"gguf (--gguf) {gguf}: the GGUF converter loads the whole model in float32 "
-                             f"({4 * parameters / 1e9:.1f} GB) and {available / 1e9:.1f} GB of memory is available; "
-                             "make the GGUF of a smaller model, or convert this one where it fits")
+        if available is not None and memory > available:
+            raise InputError(f"gguf (--gguf) {gguf}: the GGUF converter holds the whole model in memory "
+                             f"({memory / 1e9:.1f} GB: float32, and the encoded tensors) and {available / 1e9:.1f} "
+                             "GB is available; make the GGUF of a smaller model, or convert this one where it fits")
     free = shutil.disk_usage(os.path.dirname(path)).free
     if needed > free:
-        raise InputError(f"OUT {path!r}: the checkpoint needs {needed / 1e9:.2f} GB and its folder's disk has "
-                         f"{free / 1e9:.2f} GB free; nothing was written")
+        raise InputError(f"OUT {path!r}: the checkpoint needs {int(needed):,} bytes and its folder's disk has "
+                         f"{free:,} bytes free; nothing was written")
 
     shards = _shards(shapes, dtype, shard_size)
     if len(shards) == 1:

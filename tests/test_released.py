@@ -316,3 +316,19 @@ def test_gguf_option_writes_what_the_project_reads(tmp_path):
     assert a.tensors.keys() == b.tensors.keys()
     for name in a.tensors:
         np.testing.assert_array_equal(a.tensors[name], b.tensors[name], err_msg=name)
+
+
+def test_too_little_memory_for_the_gguf_or_disk_is_refused_before_writing(tmp_path, monkeypatch):
+    monkeypatch.setattr(released, "_available_memory", lambda: 1_000_000)
+    with pytest.raises(InputError, match=r"gguf \(--gguf\) q8_0: the GGUF converter holds the whole model"):
+        released.make_checkpoint(tmp_path / "out", layers=2, scale=64, gguf="q8_0")
+    monkeypatch.setattr(released, "_available_memory", lambda: None)
+
+    class Full:
+        free = 1000
+
+    monkeypatch.setattr(released.shutil, "disk_usage", lambda path: Full)
+    with pytest.raises(InputError, match=r"OUT .*: the checkpoint needs [\d,]+ bytes and its folder's disk has "
+                                         r"1,000 bytes free"):
+        released.make_checkpoint(tmp_path / "out", layers=2, scale=64)
+    assert os.listdir(tmp_path) == []

@@ -43,12 +43,13 @@ def register(commands, formatter) -> None:
                "small --layers 12 --scale 64 --dtype float32 --gguf q8_0. Exit status: 0 written, 2 a bad option "
                "(the message names it; nothing is written), 130 interrupted (nothing is left at OUT).")
     sub.add_argument("out", metavar="OUT", help="the folder to create (it must not exist, unless --force)")
-    sub.add_argument("--layers", type=positive_int, default=30, help="number of layers (released: 30)")
+    sub.add_argument("--layers", type=positive_int, default=30, metavar="N",
+                     help="number of layers, in the released pattern (the released model has 30)")
     sub.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                      help="storage dtype of the weights (both hold the same values: every weight is a bfloat16 "
                           "number)")
-    sub.add_argument("--seed", type=seed, default=0, help="seed of the weights, in [0, 2**64)")
-    sub.add_argument("--scale", type=positive_int, default=1,
+    sub.add_argument("--seed", type=seed, default=0, help="seed of the weights, in [0, 2**64) (default: 0)")
+    sub.add_argument("--scale", type=positive_int, default=1, metavar="N",
                      help="divide every width (vocabulary, hidden, MLP, experts, heads' sizes, window, canvas) by N, "
                           "keeping the head counts and the layer pattern")
     widths = sub.add_argument_group("widths", "each overrides the released (or --scale'd) value")
@@ -57,7 +58,7 @@ def register(commands, formatter) -> None:
     sub.add_argument("--gguf", choices=("f32", "f16", "q8_0"), default=None,
                      help="also write OUT/model-TYPE.gguf through the project's GGUF converter (which loads the "
                           "model in float32 memory: for narrow or short models)")
-    sub.add_argument("--shard-size", type=parse_size, default="5GB",
+    sub.add_argument("--shard-size", type=parse_size, default="5GB", metavar="SIZE",
                      help="maximum tensor bytes per safetensors file, e.g. 5GB or 500MiB")
     sub.add_argument("--force", action="store_true",
                      help="replace OUT if it is a DiffusionGemma checkpoint folder (or empty)")
