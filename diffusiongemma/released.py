@@ -43,7 +43,8 @@ values straight into the safetensors file (whose format is written here: an 8-by
 length, the JSON header with every tensor's dtype, shape and byte range, then the raw bytes), so writing the
 30-layer, 50.5 GB bfloat16 checkpoint takes tens of MB beyond the interpreter. Each finished file is flushed
 to disk and dropped from the page cache. The output is built in a hidden sibling directory and renamed into
-place at the end: a failure or Ctrl-C leaves nothing at the destination.
+place at the end: a failure or Ctrl-C leaves nothing at the destination, and what a killed write left is
+removed by the next write to the same destination once its process is gone.
 
 GGUF (``gguf=``): the checkpoint is then converted by ``diffusiongemma.gguf_writer.write_gguf`` into
 ``DIR/model-<type>.gguf``. That converter loads the whole model in float32 first (4 bytes per parameter), so
@@ -488,6 +489,9 @@ def make_checkpoint(path: str | os.PathLike, layers: int = 30, dtype: str = "bfl
         raise InputError(f"chunk must be a positive integer, got {chunk!r}")
     path = os.path.abspath(os.fspath(path))
     _check_destination(path, force)
+    from diffusiongemma.weights_converter.writer import cleanup_stale
+
+    cleanup_stale(path)  # hidden folders of earlier writes to ``path`` whose process is gone (a SIGKILL)
 
     config = hf_config(shape, dtype)
     from diffusiongemma.reference.config import ModelConfig
@@ -517,7 +521,7 @@ def make_checkpoint(path: str | os.PathLike, layers: int = 30, dtype: str = "bfl
         files = ["model.safetensors"]
     else:
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.partial-", dir=os.path.dirname(path))
+    tmp = tempfile.mkdtemp(prefix=_hidden(path, "partial"), dir=os.path.dirname(path))
     from tqdm import tqdm
 
     bar = tqdm(total=weight_bytes, unit="B", unit_scale=True, desc=f"writing {os.path.basename(path)}",
@@ -555,6 +559,14 @@ def make_checkpoint(path: str | os.PathLike, layers: int = 30, dtype: str = "bfl
                           seconds=time.monotonic() - started)
 
 
+def _hidden(path: str, kind: str) -> str:
+    """``.<name>.<kind>-<host>-<pid>-<start>-``: the converter's names for hidden siblings, so that its
+    ``cleanup_stale`` removes what a killed write left once that process is gone."""
+    from diffusiongemma.weights_converter.writer import _hidden_name
+
+    return _hidden_name(path, kind)
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -576,7 +588,7 @@ def _put_in_place(tmp: str, path: str, force: bool) -> None:
     first and deleted after."""
     if os.path.lexists(path):
         _check_destination(path, force)  # it may have appeared meanwhile
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.replaced-", dir=os.path.dirname(path))
+        old = tempfile.mkdtemp(prefix=_hidden(path, "replaced"), dir=os.path.dirname(path))
         os.rename(path, old)  # replaces the empty placeholder
         try:
             os.rename(tmp, path)

@@ -332,3 +332,20 @@ def test_too_little_memory_for_the_gguf_or_disk_is_refused_before_writing(tmp_pa
                                          r"1,000 bytes free"):
         released.make_checkpoint(tmp_path / "out", layers=2, scale=64)
     assert os.listdir(tmp_path) == []
+
+
+def test_what_a_killed_write_left_is_removed_by_the_next(tmp_path):
+    """A hidden folder named as the maker names its work (host, pid, process start) whose process is gone:
+    the next write to the same OUT removes it; one of a live process stays."""
+    from diffusiongemma.weights_converter import writer
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)
+    out = tmp_path / "out"
+    dead = tmp_path / f".out.partial-{writer._HOST}-{pid}-1-abcd"
+    alive = tmp_path / f".out.partial-{writer._HOST}-{os.getppid()}-0-efgh"
+    for folder in (dead, alive):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 64)
+    released.make_checkpoint(out, layers=1, scale=64)
+    assert sorted(os.listdir(tmp_path)) == sorted([alive.name, "out"])
