@@ -8,6 +8,7 @@
     diffusiongemma compare a.trace b.trace            first tensor at which two traces differ
     diffusiongemma plot run.json -o denoising.png     pictures of the denoising of a run
     diffusiongemma crosscheck transformers            another implementation beside the reference
+    diffusiongemma make-checkpoint DIR --layers 2     random weights at the released shape (testing loaders)
 
 Exit status: 0 success, 1 a divergence (compare, crosscheck) or a rejected conversion (convert), 2 a bad
 argument or input (the message names it), 130 interrupted (Ctrl-C).
@@ -29,6 +30,7 @@ SUBCOMMANDS: list[tuple[str, tuple[str, ...]]] = [
     ("trace_cmd", ("trace", "compare")),
     ("plot_cmd", ("plot",)),
     ("crosscheck_cmd", ("crosscheck",)),
+    ("make_checkpoint_cmd", ("make-checkpoint",)),
 ]
 
 
