@@ -63,6 +63,7 @@ import numpy as np
 
 from diffusiongemma.reference import InputError
 from diffusiongemma.reference.config import FULL, SLIDING, ModelConfig
+from diffusiongemma.reference.weights import expected_shapes
 
 from diffusiongemma.weights_converter.gguf import ARCHITECTURE, ROPE_FREQS, gguf_name
 
@@ -100,16 +101,36 @@ class GGUFSummary:
 
 
 # ================================================================================================ tensors
-def _storage_type(gguf: Any, name: str, array: np.ndarray, gguf_type: str):
-    """The ggml type a tensor is stored as, by llama.cpp's converter rules (module docstring)."""
+def _storage_type(gguf: Any, name: str, shape: tuple[int, ...], gguf_type: str):
+    """The ggml type a tensor of ``shape`` is stored as, by llama.cpp's converter rules (module docstring)."""
     Q = gguf.GGMLQuantizationType
-    if (gguf_type == "f32" or array.ndim <= 1 or name.endswith("_norm.weight") or name.endswith(".ffn_gate_inp.weight")
+    if (gguf_type == "f32" or len(shape) <= 1 or name.endswith("_norm.weight") or name.endswith(".ffn_gate_inp.weight")
             or not name.endswith(".weight")):
         return Q.F32
     if gguf_type == "f16":
         return Q.F16
     block = gguf.GGML_QUANT_SIZES[Q.Q8_0][0]
-    return Q.Q8_0 if array.shape[-1] % block == 0 else Q.F16
+    return Q.Q8_0 if shape[-1] % block == 0 else Q.F16
+
+
+_ENCODE_CHUNK_BYTES = 64 * 2 ** 20  # float32 bytes of the rows widened and encoded at a time
+
+
+def _encoded(gguf: Any, value: Any, qtype) -> np.ndarray:
+    """The file's bytes of one tensor (``value``: an array, or a ``StreamedTensor`` of a mapped checkpoint),
+    encoded a block of rows at a time so that no more than ``_ENCODE_CHUNK_BYTES`` of float32 values and their
+    encoding's temporaries are alive besides the result (types work along the last axis: exact by rows)."""
+    shape = tuple(value.shape)
+    if len(shape) <= 1:
+        return _encode(gguf, np.asarray(value, dtype=np.float32), qtype)
+    Q = gguf.GGMLQuantizationType
+    byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype) if qtype == Q.Q8_0 else shape
+    out = np.empty(byte_shape, dtype={Q.F32: np.float32, Q.F16: np.float16}.get(qtype, np.uint8))
+    row_bytes = 4 * int(np.prod(shape[1:], dtype=np.int64))
+    step = max(1, _ENCODE_CHUNK_BYTES // max(1, row_bytes))
+    for a in range(0, shape[0], step):
+        out[a:a + step] = _encode(gguf, np.asarray(value[a:a + step], dtype=np.float32), qtype)
+    return out
 
 
 def _encode(gguf: Any, array: np.ndarray, qtype) -> np.ndarray:
@@ -439,16 +460,23 @@ def write_model_gguf(model: Any, text_source: str | os.PathLike, dst: str | os.P
         _model_metadata(w, config)
         _generation_metadata(w, text_source, notes)
         kind = _tokenizer_metadata(gguf, w, text_source, config, notes)
-        tensors: list[tuple[str, np.ndarray]] = [(gguf_name(n), a) for n, a in model.tensors.items()]
+        # one tensor in memory at a time: every tensor's info (name, shape, type, bytes) is declared first, from
+        # shapes alone, then each is read (widened from a mapped checkpoint), encoded and written in turn
+        shapes = expected_shapes(config)
+        tensors: list[tuple[str, Any]] = [(gguf_name(n), n) for n in shapes]
         freqs = _rope_freqs(config)
         if freqs is not None:
             tensors.append((ROPE_FREQS, freqs))
         payload = 0
-        for gname, array in tensors:
-            qtype = _storage_type(gguf, gname, array, gguf_type)
-            encoded = _encode(gguf, array, qtype)
-            payload += encoded.nbytes
-            w.add_tensor(gname, encoded, raw_dtype=qtype)
+        for gname, source in tensors:
+            shape = shapes[source] if isinstance(source, str) else tuple(source.shape)
+            qtype = _storage_type(gguf, gname, shape, gguf_type)
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype) if qtype == gguf.GGMLQuantizationType.Q8_0 \
+                else shape
+            nbytes = int(np.prod(byte_shape, dtype=np.int64)) * {"F32": 4, "F16": 2}.get(qtype.name, 1)
+            w.add_tensor_info(gname, byte_shape, np.dtype(np.uint8) if qtype.name == "Q8_0" else
+                              np.dtype({"F32": np.float32, "F16": np.float16}[qtype.name]), nbytes, raw_dtype=qtype)
+            payload += nbytes
             counts[qtype.name] = counts.get(qtype.name, 0) + 1
         from diffusiongemma.weights_converter.writer import check_free_space
 
@@ -456,7 +484,12 @@ def write_model_gguf(model: Any, text_source: str | os.PathLike, dst: str | os.P
         try:
             w.write_header_to_file()
             w.write_kv_data_to_file()
-            w.write_tensors_to_file()
+            w.write_ti_data_to_file()
+            for gname, source in tensors:
+                value = model.tensors[source] if isinstance(source, str) else source
+                qtype = _storage_type(gguf, gname, tuple(value.shape), gguf_type)
+                w.write_tensor_data(_encoded(gguf, value, qtype))
+                del value
             w.close()
             _finish_file(tmp)
         except OSError as exc:

@@ -52,7 +52,8 @@ from diffusiongemma.reference.support.checks import check_pass_memory, check_pos
 from diffusiongemma.reference.support.diagnosis import non_finite_error
 from diffusiongemma.reference.support.observer import NULL_OBSERVER
 from diffusiongemma.reference.primitives import BFLOAT16, compute_dtype, rope_inverse_frequencies
-from diffusiongemma.reference.support.checkpoint_io import check_tensors, load_checkpoint
+from diffusiongemma.reference.support.checkpoint_io import check_tensors, load_checkpoint, open_checkpoint
+from diffusiongemma.reference.support.weight_store import STREAM_BYTES, WeightStore
 from diffusiongemma.reference.support.quantized import is_bfloat16, widen
 
 from . import _kernels, block
@@ -61,9 +62,62 @@ from .backend import CpuBackend
 from .blas import CPU_ARRAYS
 from .cache import KVCache
 from .experts import ExpertPanels
-from .weights import LAYER_TENSOR_NAMES, LayerWeights, pack
+from .weights import LAYER_TENSOR_NAMES, LayerWeights, StoreArrays, pack, pack_layer
 
 DEVICES = ("cpu",)  # devices this module can run on ("cuda" lives elsewhere)
+WEIGHT_BUDGET = 2 * 2 ** 30  # bytes of packed layer weights a model over a mapped checkpoint holds at most
+
+
+def _packed_layer_bytes(store: WeightStore, config: ModelConfig, kept_as_stored: bool) -> int:
+    """About the bytes ``pack_layer`` holds for every layer of ``store``: the stored bytes where bfloat16 and
+    Q8_0 stay as stored (``keep_bf16``, or the bfloat16 run's two bytes a weight), float32 bytes otherwise."""
+    total = 0
+    for name in store:
+        if name.startswith("layers."):
+            t = store[name]
+            total += (min(t.stored_nbytes, t.nbytes // 2) if kept_as_stored and t.kind != "float32" else t.nbytes)
+    return total
+
+
+class PackedLayers:
+    """The layers of a model larger than its weight budget, as a sequence: ``layers[l]`` packs layer ``l``
+    from the mapped checkpoint (``pack(l)``) unless it is still held, and drops the least recently used
+    layers while the held ones exceed ``budget`` bytes (the layer in use always stays). A pass walks the
+    layers in order, so with a budget below the model each pass packs every layer again: reading the files
+    (or the page cache) and repacking, in exchange for memory flat in the number of layers."""
+
+    def __init__(self, pack: Any, count: int, budget: int):
+        self._pack, self._count, self.budget = pack, count, budget
+        self._held: dict[int, LayerWeights] = {}  # in order of use, the most recent last
+        self.packs = 0  # layers packed so far (a test and a benchmark read it)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, l: int) -> LayerWeights:
+        if not 0 <= l < self._count:
+            raise IndexError(l)
+        w = self._held.pop(l, None)
+        if w is None:
+            while self._held and sum(map(_layer_nbytes, self._held.values())) > self.budget // 2:
+                del self._held[next(iter(self._held))]  # room for the next layer before it is packed
+            w = self._pack(l)
+            self.packs += 1
+        self._held[l] = w
+        while len(self._held) > 1 and sum(map(_layer_nbytes, self._held.values())) > self.budget:
+            del self._held[next(iter(self._held))]
+        return w
+
+    def __iter__(self):
+        return (self[l] for l in range(self._count))
+
+    def held(self) -> list[LayerWeights]:
+        return list(self._held.values())
+
+
+def _layer_nbytes(w: LayerWeights) -> int:
+    total = sum(int(v.nbytes) for v in vars(w).values() if isinstance(v, np.ndarray))
+    return total + (w.experts.nbytes if w.experts is not None else 0)
 
 
 def check_device(device: str) -> str:
@@ -135,29 +189,49 @@ class Model:
     """
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], device: str = "cpu",
-                 release_tensors: bool = False, keep_bf16: bool = True, dtype: str | np.dtype = "float32"):
+                 release_tensors: bool = False, keep_bf16: bool = True, dtype: str | np.dtype = "float32",
+                 weight_budget: int = WEIGHT_BUDGET):
         """``release_tensors``: ``tensors`` is a dict this model may empty as it repacks (``from_pretrained``
         passes its own, so that loading never holds the checkpoint's experts and their panels at once).
         ``keep_bf16``: bfloat16 arrays among ``tensors`` stay bfloat16 (the experts, and the matrices of
         ``fast.weights.MATRICES_KEPT_BF16``), products widening them piece by piece: the float32 path's
         result on the widened weights, bit for bit; False widens them at load. ``dtype="bfloat16"`` rounds
         every tensor to bfloat16 first (Q8_0 experts dequantized, then rounded), so that with ``keep_bf16``
-        those matrices, the experts and the embedding are held bfloat16 whatever the checkpoint stores."""
+        those matrices, the experts and the embedding are held bfloat16 whatever the checkpoint stores.
+
+        ``tensors`` may be a ``WeightStore`` (``from_pretrained``: the checkpoint's files mapped). Then nothing
+        is copied that the kernels can read where it lies (a float32 matrix of a float32 file, a bfloat16 one
+        kept bfloat16; an embedding table above ``STREAM_BYTES`` stays as stored, its products widening
+        blocks of rows), and when the layers' packed weights would exceed ``weight_budget`` bytes, each layer
+        is packed from the mapping when a pass reaches it and dropped when the budget needs the room
+        (``PackedLayers``), so that memory beyond the mapped files does not grow with the number of layers.
+        Values are checked finite as each tensor is first read."""
         self.device = check_device(device)
         self.dtype = compute_dtype(dtype)
         self.bf16 = self.dtype == BFLOAT16  # the bfloat16 run: CpuOps rounds where the reference's round_to does
         check_tensors(tensors, config)
-        if self.bf16:
+        mapped = isinstance(tensors, WeightStore)
+        keep_bf16_embedding = self.bf16
+        if mapped:  # a checkpoint's mapped files: tensors read (and checked) as packed, no copy where none is needed
+            keep_bf16_embedding = self.bf16 or tensors["embed_tokens"].nbytes > STREAM_BYTES  # never widened whole
+            store, tensors = tensors, StoreArrays(tensors, self.bf16, keep_bf16)
+        elif self.bf16:
             tensors = _rounded_to_bf16(tensors, keep_bf16, release_tensors)
             release_tensors = True  # a dict of our own (or the caller's, already given up)
         self.config = config
         self.xp = CPU_ARRAYS  # NumPy with the products on the kernels' tiled BLAS calls (fast.blas)
         self.ops = _kernels
-        packed = pack(config, tensors, experts=functools.partial(ExpertPanels.from_weights, keep_bf16=keep_bf16),
-                      release=release_tensors, keep_bf16=keep_bf16, keep_bf16_embedding=self.bf16)
+        experts = functools.partial(ExpertPanels.from_weights, keep_bf16=keep_bf16)
+        lazy = mapped and _packed_layer_bytes(store, config, keep_bf16 or self.bf16) > weight_budget
+        packed = pack(config, tensors, experts=experts, release=release_tensors, keep_bf16=keep_bf16,
+                      keep_bf16_embedding=keep_bf16_embedding, layers=not lazy)
         self.embed_tokens, self.final_norm = packed.embed_tokens, packed.final_norm  # (V, H), (H,)
         self.sc_pre_norm, self.sc_gate_up, self.sc_down = packed.sc_pre_norm, packed.sc_gate_up, packed.sc_down
         self.layers = packed.layers
+        if lazy:  # more layers than the budget holds: each packed from the mapping when a pass reaches it
+            self.layers = PackedLayers(functools.partial(pack_layer, config, tensors, experts=experts,
+                                                         keep_bf16=keep_bf16),
+                                       config.num_hidden_layers, weight_budget)
         self._omega = {kind: rope_inverse_frequencies(config.rope_parameters[kind], d)
                        for kind, d in zip(config.layer_types, config.layer_head_dim)}
         self._eps = np.float32(config.rms_norm_eps)
@@ -173,7 +247,8 @@ class Model:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: str = "cpu", keep_quantized: bool = True,
-                        keep_bf16: bool = True, dtype: str | np.dtype = "float32") -> "Model":
+                        keep_bf16: bool = True, dtype: str | np.dtype = "float32",
+                        weight_budget: int = WEIGHT_BUDGET) -> "Model":
         """Load a converted checkpoint directory, a transformers checkpoint directory or a GGUF file.
 
         Reading is the reference's (``reference.weights.load_checkpoint``: same formats, same
@@ -190,18 +265,19 @@ class Model:
         """
         check_device(device)
         compute_dtype(dtype)
-        config, tensors = load_checkpoint(path, keep_quantized=keep_quantized, keep_bf16=keep_bf16)
-        return cls(config, tensors, device=device, release_tensors=True, keep_bf16=keep_bf16, dtype=dtype)
+        if not keep_quantized:  # the reference's float32 values, read whole (a caller's comparison run)
+            config, tensors = load_checkpoint(path, keep_bf16=keep_bf16)
+            return cls(config, tensors, device=device, release_tensors=True, keep_bf16=keep_bf16, dtype=dtype)
+        config, store = open_checkpoint(path)  # mapped: see ``Model``
+        return cls(config, store, device=device, keep_bf16=keep_bf16, dtype=dtype, weight_budget=weight_budget)
 
     @property
     def weight_nbytes(self) -> int:
         """Bytes of weights this model holds (its packed layout, quantized experts at their own size)."""
         arrays = [self.embed_tokens, self.final_norm, self.sc_pre_norm, self.sc_gate_up, self.sc_down]
         total = sum(int(a.nbytes) for a in arrays)
-        for w in self.layers:
-            total += sum(int(v.nbytes) for v in vars(w).values() if isinstance(v, np.ndarray))
-            total += w.experts.nbytes if w.experts is not None else 0
-        return total
+        layers = self.layers.held() if isinstance(self.layers, PackedLayers) else self.layers
+        return total + sum(map(_layer_nbytes, layers))
 
     def new_cache(self, batch_size: int, capacity: int = 0) -> KVCache:
         """An empty fast KV cache for ``batch_size`` rows; ``capacity`` pre-sizes it (positions).

@@ -11,15 +11,17 @@ its products widen them tile by tile, ``_kernels.gemm_bf16``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from diffusiongemma.reference.config import ModelConfig
-from diffusiongemma.reference.support.quantized import is_bfloat16, widen
+from diffusiongemma.reference.support.quantized import BFLOAT16, is_bfloat16, widen
 
-__all__ = ["LayerWeights", "PackedWeights", "pack", "host_float32", "MATRICES_KEPT_BF16", "LAYER_TENSOR_NAMES"]
+__all__ = ["LayerWeights", "PackedWeights", "pack", "pack_layer", "StoreArrays", "host_float32", "MATRICES_KEPT_BF16",
+           "LAYER_TENSOR_NAMES"]
 
 #: The fields ``pack(keep_bf16=True)`` keeps bfloat16 when every tensor they are built from is: the products
 #: ``x @ W.T`` of the attention, the dense MLP and the self-conditioning MLP. The embedding stays float32:
@@ -92,7 +94,7 @@ class PackedWeights:
 def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
          upload: Callable[[np.ndarray], Any] = lambda array: array,
          experts: Callable[[Any, Any], Any] | None = None, release: bool = False,
-         keep_bf16: bool = False, keep_bf16_embedding: bool = False) -> PackedWeights:
+         keep_bf16: bool = False, keep_bf16_embedding: bool = False, layers: bool = True) -> PackedWeights:
     """Repack checked ``tensors`` (``reference.weights.check_tensors``) into the fast layout.
 
     upload: called on every float32 host array; returns what the model keeps (a device array on a GPU).
@@ -104,41 +106,14 @@ def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
     arrays, C-contiguous, handed to ``upload`` too); otherwise everything is widened to float32.
     keep_bf16_embedding: with ``keep_bf16``, a bfloat16 ``embed_tokens`` stays bfloat16 too (the CPU's
     bfloat16 run, whose soft-embedding product need not be the float32 path's bit for bit).
+    layers: False leaves ``PackedWeights.layers`` empty, for a caller that packs each layer when it needs it
+    (``pack_layer``; the CPU path over a checkpoint larger than its weight budget).
+    A tensor that is a view of a mapped file (``reference.support.weight_store``) and needs no repacking is
+    kept as that view (no copy): a float32 matrix of a float32 file, a bfloat16 one kept bfloat16.
     """
     t = _Widened(tensors)  # float32 values, quantized tensors dequantized (t.raw: as given)
     put = lambda array: upload(host_float32(array))  # noqa: E731
-
-    def matrix(*names: str):
-        """The named tensors stacked by rows: bfloat16 if kept (see keep_bf16), else float32."""
-        raw = [tensors[name] for name in names]
-        if keep_bf16 and all(is_bfloat16(a) for a in raw):
-            return upload(np.ascontiguousarray(raw[0] if len(raw) == 1 else np.concatenate(raw)))
-        return put(t[names[0]] if len(names) == 1 else np.concatenate([t[name] for name in names]))
-
-    def layer(l: int) -> LayerWeights:
-        p = f"layers.{l}."
-        sliding = config.is_sliding(l)
-        projections = [p + "q_proj", p + "k_proj"] + ([p + "v_proj"] if sliding else [])
-        return LayerWeights(
-            sliding=sliding, head_dim=config.layer_head_dim[l], num_kv_heads=config.layer_num_key_value_heads[l],
-            qkv=matrix(*projections), o_proj=matrix(p + "o_proj"),
-            q_norm=put(t[p + "q_norm"]), k_norm=put(t[p + "k_norm"]),
-            input_norm=put(t[p + "input_layernorm"]), post_attention_norm=put(t[p + "post_attention_layernorm"]),
-            pre_ffn_norm=put(t[p + "pre_feedforward_layernorm"]),
-            mlp_gate_up=matrix(p + "mlp.gate_proj", p + "mlp.up_proj"),
-            mlp_down=matrix(p + "mlp.down_proj"), post_ffn_norm_1=put(t[p + "post_feedforward_layernorm_1"]),
-            router=put(t[p + "router.proj"]), router_scale=put(t[p + "router.scale"]),
-            per_expert_scale=put(t[p + "router.per_expert_scale"]),
-            pre_ffn_norm_2=put(t[p + "pre_feedforward_layernorm_2"]),
-            expert_gate_up=None if experts else put(t[p + "experts.gate_up_proj"]),
-            expert_down=None if experts else put(t[p + "experts.down_proj"]),
-            experts=_repacked_experts(experts, tensors, p, release) if experts else None,
-            post_ffn_norm_2=put(t[p + "post_feedforward_layernorm_2"]),
-            post_ffn_norm=put(t[p + "post_feedforward_layernorm"]),
-            encoder_scalar=np.float32(np.asarray(t[p + "encoder_layer_scalar"]).reshape(-1)[0]),
-            decoder_scalar=np.float32(np.asarray(t[p + "decoder_layer_scalar"]).reshape(-1)[0]),
-        )
-
+    matrix = functools.partial(_matrix, tensors, upload, keep_bf16)
     return PackedWeights(
         embed_tokens=(upload(np.ascontiguousarray(tensors["embed_tokens"]))
                       if keep_bf16 and keep_bf16_embedding and is_bfloat16(tensors["embed_tokens"])
@@ -147,8 +122,74 @@ def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
         sc_pre_norm=put(t["self_conditioning.pre_norm"]),
         sc_gate_up=matrix("self_conditioning.gate_proj", "self_conditioning.up_proj"),
         sc_down=matrix("self_conditioning.down_proj"),
-        layers=[layer(l) for l in range(config.num_hidden_layers)],
+        layers=[pack_layer(config, tensors, l, upload, experts, release, keep_bf16)
+                for l in range(config.num_hidden_layers)] if layers else [],
     )
+
+
+def _matrix(tensors: Mapping[str, Any], upload: Callable, keep_bf16: bool, *names: str):
+    """The named tensors stacked by rows: bfloat16 if kept (see ``pack``'s keep_bf16), else float32."""
+    raw = [tensors[name] for name in names]
+    if keep_bf16 and all(is_bfloat16(a) for a in raw):
+        return upload(np.ascontiguousarray(raw[0] if len(raw) == 1 else np.concatenate(raw)))
+    return upload(host_float32(widen(raw[0]) if len(raw) == 1 else np.concatenate([widen(a) for a in raw])))
+
+
+def pack_layer(config: ModelConfig, tensors: Mapping[str, Any], l: int,
+               upload: Callable[[np.ndarray], Any] = lambda array: array,
+               experts: Callable[[Any, Any], Any] | None = None, release: bool = False,
+               keep_bf16: bool = False) -> LayerWeights:
+    """Layer ``l`` of ``pack``'s layout (same arguments)."""
+    t = _Widened(tensors)
+    put = lambda array: upload(host_float32(array))  # noqa: E731
+    matrix = functools.partial(_matrix, tensors, upload, keep_bf16)
+    p = f"layers.{l}."
+    sliding = config.is_sliding(l)
+    projections = [p + "q_proj", p + "k_proj"] + ([p + "v_proj"] if sliding else [])
+    return LayerWeights(
+        sliding=sliding, head_dim=config.layer_head_dim[l], num_kv_heads=config.layer_num_key_value_heads[l],
+        qkv=matrix(*projections), o_proj=matrix(p + "o_proj"),
+        q_norm=put(t[p + "q_norm"]), k_norm=put(t[p + "k_norm"]),
+        input_norm=put(t[p + "input_layernorm"]), post_attention_norm=put(t[p + "post_attention_layernorm"]),
+        pre_ffn_norm=put(t[p + "pre_feedforward_layernorm"]),
+        mlp_gate_up=matrix(p + "mlp.gate_proj", p + "mlp.up_proj"),
+        mlp_down=matrix(p + "mlp.down_proj"), post_ffn_norm_1=put(t[p + "post_feedforward_layernorm_1"]),
+        router=put(t[p + "router.proj"]), router_scale=put(t[p + "router.scale"]),
+        per_expert_scale=put(t[p + "router.per_expert_scale"]),
+        pre_ffn_norm_2=put(t[p + "pre_feedforward_layernorm_2"]),
+        expert_gate_up=None if experts else put(t[p + "experts.gate_up_proj"]),
+        expert_down=None if experts else put(t[p + "experts.down_proj"]),
+        experts=_repacked_experts(experts, tensors, p, release) if experts else None,
+        post_ffn_norm_2=put(t[p + "post_feedforward_layernorm_2"]),
+        post_ffn_norm=put(t[p + "post_feedforward_layernorm"]),
+        encoder_scalar=np.float32(np.asarray(t[p + "encoder_layer_scalar"]).reshape(-1)[0]),
+        decoder_scalar=np.float32(np.asarray(t[p + "decoder_layer_scalar"]).reshape(-1)[0]),
+    )
+
+
+class StoreArrays(Mapping):
+    """A ``WeightStore``'s tensors as the arrays ``pack`` reads: each in its stored type, a view of the mapped
+    file (a ``Q8_0Tensor`` for Q8_0), checked finite the first time it is read. ``bf16_run``: each rounded to
+    bfloat16 first (the bfloat16 run; Q8_0 dequantized, then rounded), held bfloat16 with ``keep_bf16`` and
+    widened to float32 without."""
+
+    def __init__(self, store, bf16_run: bool = False, keep_bf16: bool = True):
+        self.store, self.bf16_run, self.keep_bf16 = store, bf16_run, keep_bf16
+
+    def __getitem__(self, name: str):
+        value = self.store.checked(name).read()
+        if self.bf16_run:
+            if not is_bfloat16(value):
+                value = widen(value).astype(BFLOAT16)
+            if not self.keep_bf16:
+                value = widen(value)
+        return value
+
+    def __iter__(self):
+        return iter(self.store)
+
+    def __len__(self) -> int:
+        return len(self.store)
 
 
 class _Widened:

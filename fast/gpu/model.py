@@ -44,11 +44,12 @@ from diffusiongemma.reference.support.errors import InputError
 from diffusiongemma.reference.generate import ReferenceBackend, generate
 from diffusiongemma.reference.support.observer import NULL_OBSERVER
 from diffusiongemma.reference.primitives import BFLOAT16, compute_dtype, rope_inverse_frequencies, round_to, softcap
-from diffusiongemma.reference.support.checkpoint_io import check_tensors, load_checkpoint
+from diffusiongemma.reference.support.checkpoint_io import check_tensors, open_checkpoint
+from diffusiongemma.reference.support.weight_store import WeightStore
 
 from .. import block
 from . import launch as gl
-from ..weights import pack
+from ..weights import StoreArrays, pack
 from .cache import GpuKVCache
 from .device import CupyDevice, gpu_available, make_device
 from .experts import expert_mix
@@ -79,6 +80,8 @@ class Model:
         self.dtype = compute_dtype(dtype)
         self.bf16 = self.dtype == BFLOAT16
         check_tensors(tensors, config)
+        if isinstance(tensors, WeightStore):  # mapped files: each tensor read, widened and uploaded in turn
+            tensors = StoreArrays(tensors)
         self.config = config
         self.device = make_device(device) if isinstance(device, str) else device
         dev = self.device
@@ -109,8 +112,8 @@ class Model:
         """
         compute_dtype(dtype)
         dev = make_device(device) if isinstance(device, str) else device
-        config, tensors = load_checkpoint(path)
-        return cls(config, tensors, device=dev, dtype=dtype)
+        config, store = open_checkpoint(path)  # mapped: the host holds one tensor at a time on its way up
+        return cls(config, store, device=dev, dtype=dtype)
 
     def denoising_backend(self, draws: Any, batch_size: int, denoiser: Any = None, observer: Any = NULL_OBSERVER,
                           logits_hook: Any = None, device_loop: bool = True, sync_every: int = 4,

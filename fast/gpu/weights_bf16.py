@@ -24,7 +24,7 @@ import numpy as np
 
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.primitives import BFLOAT16
-from diffusiongemma.reference.support.quantized import widen
+from diffusiongemma.reference.support.quantized import is_bfloat16, widen
 
 from ..weights import LayerWeights, PackedWeights, pack
 
@@ -56,7 +56,7 @@ def pack_bf16(config: ModelConfig, tensors: Mapping[str, Any], upload: Callable[
     """``fast.weights.pack``'s layout of ``tensors`` (checked, float32 / bfloat16 / Q8_0) rounded to bfloat16,
     matrices as bfloat16 bits and the rest as bf16-valued float32 (see the module notes); ``upload`` copies a
     host array to the device."""
-    rounded = {name: np.ascontiguousarray(widen(t).astype(BFLOAT16)) for name, t in tensors.items()}
+    rounded = _RoundedBf16(tensors)  # each tensor rounded as pack reads it: the host holds one at a time
 
     def put(array: np.ndarray) -> Any:
         if array.dtype == BFLOAT16:  # a matrix pack keeps bfloat16 (keep_bf16)
@@ -66,7 +66,7 @@ def pack_bf16(config: ModelConfig, tensors: Mapping[str, Any], upload: Callable[
     def experts(gate_up: np.ndarray, down: np.ndarray) -> tuple:
         return upload(gate_up.view(np.uint16)), upload(down.view(np.uint16))
 
-    packed = pack(config, rounded, upload=put, experts=experts, keep_bf16=True)
+    packed = pack(config, rounded, upload=put, experts=experts, keep_bf16=True, keep_bf16_embedding=True)
 
     def device(value: Any, bits: bool) -> Any:
         if not isinstance(value, _Host):
@@ -83,6 +83,24 @@ def pack_bf16(config: ModelConfig, tensors: Mapping[str, Any], upload: Callable[
             if isinstance(value, _Host):
                 setattr(w, name, device(value, name in MATRIX_FIELDS))
     return packed
+
+
+class _RoundedBf16(Mapping):
+    """``tensors`` with each value rounded to bfloat16 when read (a bfloat16 array as it is, a view of a mapped
+    file included: no copy); ``fast.weights.StoreArrays`` of a store is read the same way."""
+
+    def __init__(self, tensors: Mapping[str, Any]):
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        value = self.tensors[name]
+        return value if is_bfloat16(value) else np.ascontiguousarray(widen(value).astype(BFLOAT16))
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 def weight_bytes(packed: Any) -> int:
