@@ -64,6 +64,23 @@ def test_the_figures_show_what_the_spec_says():
     assert timeline["cache_length_at_end"] == timeline["output_length"] - canvases[-1]["length"]
     ring = _committed("cache_ring")
     assert all(len(s["sliding"]) <= ring["capacity"] for s in ring["states"])
+    # the two mask pictures share one drawing size
+    assert (ring["sliding_window"], ring["canvas_length"]) == (_committed("visibility")["sliding_window"],
+                                                             _committed("visibility")["canvas_length"])
+    # speed: the run of the timeline, counted; an encoder pass per canvas but the last, plus the prompt's
+    speed = _committed("speed")
+    run = speed["measured"]
+    assert run["encoder_passes"] == len(encodes) and run["decoder_passes"] == sum(timeline["steps_per_canvas"])
+    per_pass = round(run["new_tokens"] / run["decoder_passes"], 4)
+    assert run["tokens_per_decoder_pass"] == run["tokens_per_forward"] == per_pass
+    assert run["tokens_per_model_pass"] < run["tokens_per_decoder_pass"]
+    released = speed["released"]
+    assert released["experts_touched_one_token"] == released["top_k"]
+    assert released["experts_touched_canvas"] > released["num_experts"] - 0.01
+    steps = released["break_even_steps"]  # where the mixture of experts reads as much per token as one token
+    below = [p for p in released["per_token_billion"] if p["steps"] < steps]
+    assert all(p["moe_canvas"] < released["moe_autoregressive_billion"] for p in below)
+    assert released["per_token_billion"][-1]["moe_canvas"] > released["moe_autoregressive_billion"]
 
 
 @pytest.mark.parametrize("name", list(figures.FIGURES))

@@ -364,7 +364,8 @@ def test_part_one_defines_each_term_before_use_figures_included():
 
 def test_a_term_used_before_its_definition_is_caught():
     read = part_one_as_read()
-    early = read.replace("### 0.1 Why a canvas", "The stop test compares with γ at step (i).\n\n### 0.1 Why a canvas", 1)
+    early = read.replace("### 0.1 Why a canvas", "The stop test compares with γ at step (i).\n\n### 0.1 Why a canvas",
+                         1)
     assert sorted(f.split(":")[0] for f in undefined_before_use(early)) == ["(i)", "γ"], undefined_before_use(early)
     # the first figure (the block timeline, §0.3) comes before the mixture of experts is introduced
     assert read.index("[figure]") < read.index("**mixture of\nexperts**")
