@@ -21,7 +21,15 @@ Figures (``FIGURES``):
 * ``cache_ring``: the positions a sliding and a full layer's cache hold as canvases are committed.
 * ``block_timeline``: prefill, canvases, commits and encodes of one run; the last canvas is never encoded.
 * ``canvas_denoising``: one canvas step by step: every position's entropy and when it was accepted.
-* ``temperature_schedule``: T_n = t_min + (t_max - t_min) n / N over the steps of a canvas.
+* ``temperature_schedule``: τ_n = t_min + (t_max - t_min) n / N over the steps of a canvas.
+* ``speed``: the same run's tokens per decoder pass and per model pass (encoder passes counted) beside one
+  per pass for an autoregressive loop, and the weight values read per token at the released shape
+  (``RELEASED``), dense and mixture of experts, as a canvas takes more steps.
+
+The two mask pictures (``visibility``, ``cache_ring``) share one drawing size, W = 4 and C = 6, so that
+every cell can be seen; everything else is the shipped model's run or the released shape. Floats are
+stored with ``DIGITS`` decimals, and ``write`` keeps a JSON whose regenerated data agrees with it within
+the tolerance, so regenerating on a machine whose BLAS sums in another order rewrites no file.
 
 matplotlib is needed only to draw (``pip install -e ".[plot]"``); ``figure_data`` and ``--check`` need
 NumPy and the reference alone.
