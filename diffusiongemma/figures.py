@@ -732,7 +732,7 @@ def clone_figure_dir(cwd: str | None = None) -> str:
             or not os.path.isdir(FIGURE_DIR):
         raise FigureError(f"--docs needs a clone of the project: {FIGURE_DIR} is not a clone's docs/figures folder")
     if os.path.commonpath([root, here]) != root:
-        raise FigureError(f"--docs rewrites {FIGURE_DIR}, so run it from inside that clone ({root}), not from {here}")
+        raise FigureError(f"--docs means {FIGURE_DIR}: run it from inside that clone ({root}), not from {here}")
     return FIGURE_DIR
 
 
