@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import dataclasses
 import importlib
 import pkgutil
@@ -208,3 +209,196 @@ def test_a_stale_name_is_caught():
 def test_known_stale_names_do_not_resolve(name):
     """The entries of KNOWN_STALE are really stale (so the exemption hides nothing that exists)."""
     assert not resolves(name, _project_namespaces())
+
+
+# ------------------------------------------------------------------------------------------ Part I as it is read
+# Part I is read in order, figures included: each picture's drawn text and its JSON sit where the picture is
+# linked. tests/test_figures.py holds the JSON to the reference; here it is read for what it says.
+FIGURE_LINK = re.compile(r"!\[[^\]]*\]\(figures/(\w+)\.png\)")
+# words that belong to Part II or to the compiled paths, not to the idea
+PART_TWO_WORDS = re.compile(r"\btraps?\b|\bfast paths?\b|\bring slots?\b|\bring\b|\bpeers?\b|\bporters?\b|"
+                            r"\bbfloat16\b|\bcuda\b|\bcython\b", re.IGNORECASE)
+
+
+def figure_text(name: str) -> str:
+    """What a reader of figure ``name`` sees: every text the drawing puts on the picture, then the keys and
+    string values of its committed JSON."""
+    import json
+
+    from matplotlib.text import Text
+
+    from diffusiongemma import figures
+
+    data = json.loads((ROOT / "docs" / "figures" / f"{name}.json").read_text(encoding="utf-8"))
+    fig = figures.draw(name, data)
+    try:
+        drawn = [t.get_text() for t in fig.findobj(Text) if t.get_text().strip()]
+    finally:
+        figures._plt().close(fig)
+
+    def strings(x):
+        if isinstance(x, dict):
+            return [s for k, v in x.items() for s in [k, *strings(v)]]
+        if isinstance(x, list):
+            return [s for v in x for s in strings(v)]
+        return [x] if isinstance(x, str) else []
+
+    return "\n".join(drawn + strings(data))
+
+
+@functools.lru_cache(maxsize=1)
+def part_one_as_read() -> str:
+    """Part I with each linked figure's text spliced in after its link."""
+    text = part_text(SPEC, "Part I")
+    return FIGURE_LINK.sub(lambda m: m.group(0) + "\n[figure]\n" + figure_text(m.group(1)) + "\n[/figure]\n", text)
+
+
+def part_two_words(text: str) -> list[str]:
+    return [f"line {text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}" for m in PART_TWO_WORDS.finditer(text)]
+
+
+def test_part_one_and_its_figures_point_at_nothing_in_part_two():
+    read = part_one_as_read()
+    assert read.count("[figure]") == 7, "Part I should show its seven figures"
+    assert not forward_references(SPEC.replace(part_text(SPEC, "Part I"), read)), \
+        forward_references(SPEC.replace(part_text(SPEC, "Part I"), read))
+    assert not part_two_words(read), part_two_words(read)
+
+
+def test_a_part_two_word_in_a_figure_is_caught():
+    planted = part_one_as_read().replace("[/figure]", "held in slot 3 of the fast paths' ring (trap T23)\n[/figure]", 1)
+    assert len(part_two_words(planted)) == 3, part_two_words(planted)
+    assert len(forward_references(SPEC.replace(part_text(SPEC, "Part I"), planted))) == 1
+
+
+# ------------------------------------------------------------------------------------------ pointers into a section
+# "§8.2 step 3", "§17 items 1, 2, 4", "§4.1 steps 1–4": numbered items of that section; "§8.2 j": its lettered
+# sub-step. Each must exist, not just the heading (the heading of §0.2 exists, its item 1 never did).
+ITEM_POINTER = re.compile(r"(?<!\.md )(?<!TRAINING )§\s*(\d+(?:\.\d+)*)(?: step \d+)?\s+(?:items?|steps?)\s+"
+                          r"(\d+(?:\s*(?:,|–|-|and)\s*\d+)*)")
+LETTER_POINTER = re.compile(r"(?<!\.md )(?<!TRAINING )§\s*(\d+(?:\.\d+)*)\s+([a-z])\b(?![\w'’-])")
+
+
+def section_lines(text: str) -> dict[str, list[str]]:
+    return {s.number: s.lines for s in sections(text)}
+
+
+def broken_item_pointers(text: str) -> list[str]:
+    lines_of = section_lines(text)
+    problems = []
+    for m in ITEM_POINTER.finditer(text):
+        number, items = m.group(1), m.group(2)
+        wanted: list[int] = []
+        for part in re.split(r"\s*(?:,|and)\s*", items):
+            ends = [int(n) for n in re.split(r"\s*[–-]\s*", part) if n]
+            wanted += list(range(ends[0], ends[-1] + 1))
+        have = {int(k) for line in lines_of.get(number, []) for k in re.findall(r"^\s*(\d+)\.\s", line)}
+        missing = [k for k in wanted if k not in have]
+        if missing:
+            problems.append(f"line {text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}: §{number} has no "
+                            f"numbered item {missing}")
+    for m in LETTER_POINTER.finditer(text):
+        number, letter = m.groups()
+        if not any(re.match(rf"^\s*\*\s*{letter}\.\s", line) for line in lines_of.get(number, [])):
+            problems.append(f"line {text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}: §{number} has no "
+                            f"sub-step {letter}")
+    return problems
+
+
+def test_every_item_and_step_pointer_names_an_existing_item():
+    assert len(ITEM_POINTER.findall(SPEC)) >= 5 and len(LETTER_POINTER.findall(SPEC)) >= 4  # the scan sees them
+    assert not broken_item_pointers(SPEC), "\n".join(broken_item_pointers(SPEC))
+
+
+def test_a_pointer_to_a_missing_item_is_caught():
+    planted = SPEC.replace("### 0.4 Renoising\n", "### 0.4 Renoising\n\nAs §0.2 item 1, §8.2 step 9 and §8.2 q "
+                                                  "and §17 items 1–3 say.\n", 1)
+    found = broken_item_pointers(planted)
+    assert len(found) == 3, found
+    assert "§0.2 has no numbered item [1]" in found[0] and "[9]" in found[1] and "sub-step q" in found[2], found
+
+
+# ------------------------------------------------------------------------------------------ defined before use
+# Each term of Part I is defined where it is first met, in bold; it must not be met earlier, in the text or in
+# a figure. (use pattern, definition as written)
+TERMS = {
+    "V": (r"(?<![\w'’])V(?![\w'’])", "**V**"),
+    "C": (r"(?<![\w'’])C(?![\w'’+#])", "**C**"),
+    "N": (r"(?<![\w'’])N(?![\w'’])", "**N**"),
+    "W": (r"(?<![\w'’])W(?![\w'’])", "**W**"),
+    "β": (r"β", "**β**"),
+    "γ": (r"γ", "**γ**"),
+    "z (logits)": (r"(?<![\w'’])z(?![\w'’̂])", "**z**"),
+    "τ": (r"τ", "**τ**"),
+    "ẑ": (r"ẑ|z\u0302", "**ẑ**"),
+    "26B-A4B": (r"26 ?B\b", "**26B-A4B**"),
+    "mixture of experts": (r"mixture of\s+experts|\bMoE\b|\bexperts?\b", "**mixture of\nexperts**"),
+    "sliding": (r"\bsliding\b", "**sliding**"),
+    "full (layer)": (r"\bfull\b", "**full**"),
+    "stable": (r"\bstab(?:le|ility)\b", "**stable**"),
+    "renoising": (r"\brenois", "**renoising**"),
+    "draft": (r"\bdrafts?\b", "**draft**"),
+    "self-conditioning": (r"(?i)self-conditioning", "**Self-conditioning**"),
+    **{f"({letter})": (rf"\((?:[a-k], )*{letter}(?:, [a-k])*\)|# \({letter}", f"**({letter})**")
+       for letter in "abcdefghij"},
+}
+
+
+def undefined_before_use(text: str) -> list[str]:
+    text = re.sub(r"^#{1,6} .*$", lambda m: " " * len(m.group(0)), text, flags=re.MULTILINE)  # not the headings
+    problems = []
+    for term, (use, definition) in TERMS.items():
+        where = text.find(definition)
+        if where < 0:
+            problems.append(f"{term}: never defined ({definition!r} is not in Part I)")
+            continue
+        first = re.search(use, text)
+        if first and first.start() < where:
+            line = text.count("\n", 0, first.start()) + 1
+            context = text[max(0, first.start() - 40):first.end() + 20].replace("\n", " ")
+            problems.append(f"{term}: used on line {line} ({context!r}) before its definition on line "
+                            f"{text.count(chr(10), 0, where) + 1}")
+    return problems
+
+
+def test_part_one_defines_each_term_before_use_figures_included():
+    assert not undefined_before_use(part_one_as_read()), "\n".join(undefined_before_use(part_one_as_read()))
+
+
+def test_a_term_used_before_its_definition_is_caught():
+    read = part_one_as_read()
+    early = read.replace("### 0.1 Why a canvas", "The stop test compares with γ at step (i).\n\n### 0.1 Why a canvas",
+                         1)
+    assert sorted(f.split(":")[0] for f in undefined_before_use(early)) == ["(i)", "γ"], undefined_before_use(early)
+    # the first figure (the block timeline, §0.3) comes before the mixture of experts is introduced
+    assert read.index("[figure]") < read.index("**mixture of\nexperts**")
+    in_figure = read.replace("[figure]", "[figure]\n2 of 8 experts", 1)
+    assert [f.split(":")[0] for f in undefined_before_use(in_figure)] == ["mixture of experts"]
+
+
+# ------------------------------------------------------------------------------------------ §0.8 and the check
+def test_the_worked_step_explains_each_block_in_order():
+    """§0.8: the letters are defined before the first code block, the commented blocks follow them in order,
+    and a line of commentary (not code) comes before every code block."""
+    lines = next(s for s in sections(SPEC) if s.number == "0.8").lines
+    text = "\n".join(lines)
+    assert text.index("**(j)**") < text.index("```python")
+    opened = [i for i, line in enumerate(lines) if line.startswith("```python")]
+    assert len(opened) >= 7
+    for i in opened:
+        before = next(line for line in reversed(lines[:i]) if line.strip())
+        assert not before.startswith("```"), f"code block on line {i} of §0.8 has no commentary before it"
+        assert "Look at" in "\n".join(lines[max(0, i - 8):i]) or i == opened[0] or \
+            re.search(r"\b(look|Look)\b", "\n".join(lines[max(0, i - 8):i])), f"no 'look at' before block {i}"
+    letters = [m.group(1) for line in lines for m in re.finditer(r"^\(([a-k])\)", line)]
+    assert letters == sorted(letters) and len(letters) >= 6, letters
+
+
+def test_part_one_ends_with_a_check_whose_answers_the_examples_compute():
+    last = [s for s in sections(SPEC) if s.part.startswith("Part I:")][-1]
+    text = "\n".join(last.lines)
+    questions = [int(n) for n in re.findall(r"^(\d+)\. ", text, re.MULTILINE)]
+    assert questions == list(range(1, len(questions) + 1)) and len(questions) >= 5, questions
+    code = text[text.index("```python"):]
+    answered = {int(n) for n in re.findall(r"# (\d+)\b", code)}
+    assert answered == set(questions), f"questions without a computed answer: {set(questions) - answered}"
