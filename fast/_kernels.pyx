@@ -759,6 +759,9 @@ cdef extern from "panel_gemm.h":
     void dg_panel_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *panels,
                          const int8_t *qpanels, const float *scales, const uint16_t *bpanels, int64_t N,
                          int64_t K, float *c, int64_t ldc) noexcept nogil
+    void dg_rows_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *frows,
+                        const uint16_t *brows, const uint8_t *qrows, int64_t ldw, int64_t N, int64_t K,
+                        float *c, int64_t ldc) noexcept nogil
     void dg_widen_bf16(const uint16_t *src, int64_t n, float *dst) noexcept nogil
     void dg_widen_bf16_rows(const uint16_t *src, int64_t lds, int64_t rows, int64_t cols, float *dst) noexcept nogil
 
@@ -994,6 +997,95 @@ def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels
                 dg_panel_matmul(tile, &act[a0, 0], I, n, dfp + e * down_size if dfp != NULL else NULL,
                                 dqp + e * down_size if q8 else NULL, dsp + e * down_scale_size if q8 else NULL,
                                 dbp + e * down_size if bf else NULL, H, I, &y[a0, 0], H)
+                if bf16:
+                    for r in range(a0, a0 + n):
+                        dg_round_row(&y[r, 0], H)
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def expert_ffn_rows(const float[:, ::1] x, const int64_t[::1] offsets, gate_up, down, Py_ssize_t I,
+                    float[:, ::1] gate_up_out, float[:, ::1] act, float[:, ::1] y, bint bf16=False):
+    """``expert_ffn`` on weights stored row-major, read where they lie (a mapped checkpoint file): gate_up
+    (E, 2I, H) and down (E, H, I) as float32 or bfloat16 arrays (C-contiguous), or as Q8_0 blocks, uint8
+    (E, 2I, H/32*34) and (E, H, I/32*34) (a GGUF file's bytes: a float16 scale then 32 int8 values a block).
+
+    Each chunk of 32 rows is gathered into the buffer the panel path widens into, and the same tile runs on
+    it (``panel_gemm.h``, ``dg_rows_matmul``): the result is ``expert_ffn``'s on the packed panels of the same
+    weights, bit for bit, without the packed copy. Same buffers, offsets, ``bf16`` and errors as ``expert_ffn``.
+    """
+    cdef Py_ssize_t R = x.shape[0], H = x.shape[1], e, r, n, a0, E
+    cdef bint q8 = getattr(gate_up, "dtype", None) == np.uint8
+    gate_bits, down_bits = bf16_bits(gate_up), bf16_bits(down)
+    cdef bint bf = gate_bits is not None
+    if bf != (down_bits is not None) or q8 != (getattr(down, "dtype", None) == np.uint8):
+        raise ValueError("expert_ffn_rows: gate_up and down must be of one kind (float32, bfloat16 or Q8_0 blocks)")
+    cdef const uint16_t[:, :, ::1] gb, db
+    cdef const float[:, :, ::1] gf, df
+    cdef const uint8_t[:, :, ::1] gq, dq
+    cdef const float *gfp = NULL
+    cdef const float *dfp = NULL
+    cdef const uint16_t *gbp = NULL
+    cdef const uint16_t *dbp = NULL
+    cdef const uint8_t *gqp = NULL
+    cdef const uint8_t *dqp = NULL
+    cdef int64_t ldg, ldd
+    if q8:
+        gq, dq = gate_up, down
+        if H % 32 or I % 32 or gq.shape[2] != H // 32 * 34 or dq.shape[2] != I // 32 * 34:
+            raise ValueError(f"expert_ffn_rows: Q8_0 needs H ({H}) and I ({I}) multiples of 32 and rows of "
+                             f"{H // 32 * 34} / {I // 32 * 34} bytes")
+        shape_g, shape_d = (gq.shape[0], gq.shape[1]), (dq.shape[0], dq.shape[1])
+        ldg, ldd = gq.shape[2], dq.shape[2]
+    elif bf:
+        gb, db = gate_bits, down_bits
+        shape_g, shape_d = (gb.shape[0], gb.shape[1], gb.shape[2]), (db.shape[0], db.shape[1], db.shape[2])
+        ldg, ldd = H, I
+    else:
+        gf, df = gate_up, down
+        shape_g, shape_d = (gf.shape[0], gf.shape[1], gf.shape[2]), (df.shape[0], df.shape[1], df.shape[2])
+        ldg, ldd = H, I
+    E = shape_g[0]
+    if (shape_d[0] != E or shape_g[1] != 2 * I or shape_d[1] != H
+            or (not q8 and (shape_g[2] != H or shape_d[2] != I)) or offsets.shape[0] != E + 1):
+        raise ValueError(f"expert_ffn_rows: gate_up {shape_g} and down {shape_d} do not hold {E} experts of "
+                         f"({2 * I}, {H}) and ({H}, {I}), or {offsets.shape[0]} offsets are not {E + 1}")
+    if (gate_up_out.shape[0] < R or gate_up_out.shape[1] != 2 * I or act.shape[0] < R or act.shape[1] != I
+            or y.shape[0] < R or y.shape[1] != H):
+        raise ValueError(f"expert_ffn_rows: buffers must be ({R}, {2 * I}), ({R}, {I}) and ({R}, {H})")
+    if offsets[0] != 0 or offsets[E] > R:
+        raise ValueError(f"expert_ffn_rows: offsets must start at 0 and end at most at {R}")
+    for e in range(E):
+        if offsets[e + 1] < offsets[e]:
+            raise ValueError(f"expert_ffn_rows: offsets decrease at expert {e}")
+    if R == 0 or H == 0 or I == 0 or E == 0:
+        return
+    if q8:
+        gqp, dqp = &gq[0, 0, 0], &dq[0, 0, 0]
+    elif bf:
+        gbp, dbp = &gb[0, 0, 0], &db[0, 0, 0]
+    else:
+        gfp, dfp = &gf[0, 0, 0], &df[0, 0, 0]
+    cdef int64_t g_size = 2 * I * ldg, d_size = H * ldd
+    cdef dg_panel_fn tile = dg_panel_kernel()
+    cdef int nt = _threads(E, <double>offsets[E] / E * H * 3 * I / 16.0)
+    with nogil:
+        for e in prange(E, schedule="dynamic", num_threads=nt):
+            a0 = offsets[e]
+            n = offsets[e + 1] - a0
+            if n > 0:
+                dg_rows_matmul(tile, &x[a0, 0], H, n, gfp + e * g_size if gfp != NULL else NULL,
+                               gbp + e * g_size if gbp != NULL else NULL, gqp + e * g_size if gqp != NULL else NULL,
+                               ldg, 2 * I, H, &gate_up_out[a0, 0], 2 * I)
+                for r in range(a0, a0 + n):
+                    if bf16:
+                        dg_round_row(&gate_up_out[r, 0], 2 * I)
+                        dg_gelu_gate_row_bf16(&gate_up_out[r, 0], &gate_up_out[r, I], I, &act[r, 0])
+                    else:
+                        dg_gelu_gate_row(&gate_up_out[r, 0], &gate_up_out[r, I], I, &act[r, 0])
+                dg_rows_matmul(tile, &act[a0, 0], I, n, dfp + e * d_size if dfp != NULL else NULL,
+                               dbp + e * d_size if dbp != NULL else NULL, dqp + e * d_size if dqp != NULL else NULL,
+                               ldd, H, I, &y[a0, 0], H)
                 if bf16:
                     for r in range(a0, a0 + n):
                         dg_round_row(&y[r, 0], H)

@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from diffusiongemma.reference.support.quantized import Q8_0Tensor, is_bfloat16, widen
+from diffusiongemma.reference.support.quantized import BFLOAT16, Q8_0Tensor, is_bfloat16, widen
 
 from . import _kernels
 
-__all__ = ["PANEL", "ExpertPanels", "pack_panels", "pack_q8_0_panels", "unpack_panels"]
+__all__ = ["PANEL", "ExpertPanels", "ExpertRows", "pack_panels", "pack_q8_0_panels", "unpack_panels"]
 
 PANEL = _kernels.PANEL  # output columns of one panel (32)
 
@@ -114,3 +114,60 @@ class ExpertPanels:
         bfloat16 run's roundings (SPEC §10.1 B3, B6)."""
         _kernels.expert_ffn(grouped, offsets, self.gate_up, self.down, self.moe_intermediate_size,
                             gate_up, act, y, self.gate_up_scales, self.down_scales, bf16)
+
+
+@dataclass
+class ExpertRows:
+    """One layer's experts as the checkpoint stores them, row-major, read where they lie (a mapped file): float32
+    or bfloat16 arrays (E, 2I, H) and (E, H, I), or Q8_0 blocks, uint8 (E, 2I, H/32*34) and (E, H, I/32*34).
+
+    ``_kernels.expert_ffn_rows`` gathers each chunk of 32 rows into the buffer the panel kernel widens into,
+    so the result is ``ExpertPanels``' on the same weights, bit for bit, with no packed copy: the CPU path uses
+    it for a checkpoint larger than its weight budget, where a layer's panels would be made again at every
+    pass (``fast.model.PackedLayers``)."""
+
+    gate_up: np.ndarray  # (E, 2I, H) float32 / bfloat16, or uint8 Q8_0 blocks (E, 2I, H/32*34)
+    down: np.ndarray  # (E, H, I) float32 / bfloat16, or uint8 Q8_0 blocks (E, H, I/32*34)
+    moe_intermediate_size: int  # I
+    hidden_size: int  # H
+    gate_up_scales: Any = None  # (never: the Q8_0 scales stay inside the blocks)
+    down_scales: Any = None
+
+    @classmethod
+    def from_stored(cls, gate_up, down, bf16_run: bool = False) -> "ExpertRows":
+        """From the store's two ``StoredTensor``s (``reference.support.weight_store``). The bfloat16 run rounds
+        float32 or Q8_0 experts to bfloat16 first (a copy of the layer); a float16 or other quantized type is
+        widened to float32 (a copy); float32, bfloat16 and Q8_0 are read in place."""
+        E, two_i, H = gate_up.shape
+        I = two_i // 2
+        if gate_up.kind == down.kind == "q8_0" and gate_up.blocks is not None and down.blocks is not None \
+                and not bf16_run:
+            return cls(gate_up.blocks, down.blocks, I, H)
+        g, d = gate_up.read(), down.read()
+        if bf16_run:
+            g, d = (a if is_bfloat16(a) else np.ascontiguousarray(widen(a).astype(BFLOAT16)) for a in (g, d))
+        elif not (is_bfloat16(g) and is_bfloat16(d)):
+            g, d = np.ascontiguousarray(widen(g)), np.ascontiguousarray(widen(d))
+        return cls(g, d, I, H)
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def kind(self) -> str:
+        if self.gate_up.dtype == np.uint8:
+            return "q8_0"
+        return "bfloat16" if is_bfloat16(self.gate_up) else "float32"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the model holds for them: none when they are views of the mapped file, else the copy."""
+        return sum(0 if a.base is not None and not a.flags.owndata and not a.flags.writeable else int(a.nbytes)
+                   for a in (self.gate_up, self.down))
+
+    def __call__(self, grouped: np.ndarray, offsets: np.ndarray, gate_up: np.ndarray, act: np.ndarray,
+                 y: np.ndarray, bf16: bool = False) -> None:
+        """As ``ExpertPanels.__call__``."""
+        _kernels.expert_ffn_rows(grouped, offsets, self.gate_up, self.down, self.moe_intermediate_size,
+                                 gate_up, act, y, bf16)

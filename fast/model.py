@@ -61,7 +61,7 @@ from .attention import attend
 from .backend import CpuBackend
 from .blas import CPU_ARRAYS
 from .cache import KVCache
-from .experts import ExpertPanels
+from .experts import ExpertPanels, ExpertRows
 from .weights import LAYER_TENSOR_NAMES, LayerWeights, StoreArrays, pack, pack_layer
 
 DEVICES = ("cpu",)  # devices this module can run on ("cuda" lives elsewhere)
@@ -228,10 +228,12 @@ class Model:
         self.embed_tokens, self.final_norm = packed.embed_tokens, packed.final_norm  # (V, H), (H,)
         self.sc_pre_norm, self.sc_gate_up, self.sc_down = packed.sc_pre_norm, packed.sc_gate_up, packed.sc_down
         self.layers = packed.layers
-        if lazy:  # more layers than the budget holds: each packed from the mapping when a pass reaches it
-            self.layers = PackedLayers(functools.partial(pack_layer, config, tensors, experts=experts,
-                                                         keep_bf16=keep_bf16),
-                                       config.num_hidden_layers, weight_budget)
+        if lazy:  # more layers than the budget holds: each read from the mapping when a pass reaches it, its
+            # experts in place (ExpertRows: no packed copy), the rest packed and dropped as the budget needs
+            rows = StoreArrays(store, self.bf16, keep_bf16, experts_stored=True)
+            self.layers = PackedLayers(functools.partial(
+                pack_layer, config, rows, experts=functools.partial(ExpertRows.from_stored, bf16_run=self.bf16),
+                keep_bf16=keep_bf16), config.num_hidden_layers, weight_budget)
         self._omega = {kind: rope_inverse_frequencies(config.rope_parameters[kind], d)
                        for kind, d in zip(config.layer_types, config.layer_head_dim)}
         self._eps = np.float32(config.rms_norm_eps)

@@ -272,4 +272,78 @@ static void dg_panel_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64
     }
 }
 
+/* ---- row-major weights, read where they lie (a mapped checkpoint file)
+   The same products as dg_panel_matmul on W stored row-major, (N, K) with row stride ``ldw``: each chunk of a
+   panel (32 rows x DG_KC values of k) is gathered from the rows into the float32 buffer the panel path would
+   have widened into, then the same tile runs on it. The buffer holds the same values as the panel path's,
+   so the result is the panel path's, bit for bit; no packed copy of W is ever made. Types: float32 rows
+   (``frows``), bfloat16 bits (``brows``) or Q8_0 blocks (``qrows``: each row K/32 blocks of a little-endian
+   float16 scale followed by 32 int8 values, llama.cpp's block_q8_0; ``ldw`` then counts bytes). */
+
+/* An IEEE half (its bits) as float32, exact (subnormals included). */
+static inline float dg_half_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    if (exp == 0x1Fu) {
+        v.u = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        v.u = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        v.u = sign;
+    } else {  /* subnormal half: man * 2^-24, exact in float32 */
+        v.f = (float)man * 5.9604644775390625e-8f;
+        v.u |= sign;
+    }
+    return v.f;
+}
+
+static void dg_gather_rows(const float *frows, const uint16_t *brows, const uint8_t *qrows, int64_t ldw,
+                           int64_t row0, int64_t nc, int64_t k0, int64_t kc, float *buf) {
+    for (int64_t j = 0; j < nc; j++) {
+        const int64_t r = row0 + j;
+        if (frows) {
+            const float *w = frows + r * ldw + k0;
+            for (int64_t k = 0; k < kc; k++) buf[k * DG_NR + j] = w[k];
+        } else if (brows) {
+            const uint16_t *w = brows + r * ldw + k0;
+            for (int64_t k = 0; k < kc; k++) {
+                union { uint32_t u; float f; } v;
+                v.u = (uint32_t)w[k] << 16;
+                buf[k * DG_NR + j] = v.f;
+            }
+        } else {
+            const uint8_t *block = qrows + r * ldw + (k0 / DG_QK) * (2 + DG_QK);
+            for (int64_t k = 0; k < kc; k += DG_QK, block += 2 + DG_QK) {
+                const float s = dg_half_to_float((uint16_t)(block[0] | (block[1] << 8)));
+                const int8_t *q = (const int8_t *)(block + 2);
+                for (int i = 0; i < DG_QK; i++) buf[(k + i) * DG_NR + j] = (float)q[i] * s;
+            }
+        }
+    }
+    for (int64_t j = nc; j < DG_NR; j++)  /* the panel path's zero columns past N */
+        for (int64_t k = 0; k < kc; k++) buf[k * DG_NR + j] = 0.0f;
+}
+
+/* c (m, N) = x (m, K) W^T for W row-major (see above); K a multiple of 32 for Q8_0. */
+static void dg_rows_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *frows,
+                           const uint16_t *brows, const uint8_t *qrows, int64_t ldw, int64_t N, int64_t K,
+                           float *c, int64_t ldc) {
+    float buf[DG_KC * DG_NR] __attribute__((aligned(64)));
+    if (m <= 0 || N <= 0) return;
+    if (K == 0) {
+        for (int64_t r = 0; r < m; r++) memset(c + r * ldc, 0, (size_t)N * sizeof(float));
+        return;
+    }
+    const int64_t P = (N + DG_NR - 1) / DG_NR;
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t nc = N - p * DG_NR < DG_NR ? N - p * DG_NR : DG_NR;
+        for (int64_t k0 = 0; k0 < K; k0 += DG_KC) {
+            const int64_t kc = K - k0 < DG_KC ? K - k0 : DG_KC;
+            dg_gather_rows(frows, brows, qrows, ldw, p * DG_NR, nc, k0, kc, buf);
+            tile(m, x + k0, ldx, buf, kc, c + p * DG_NR, ldc, nc, k0 > 0);
+        }
+    }
+}
+
 #endif /* DG_PANEL_GEMM_H */

@@ -173,10 +173,14 @@ class StoreArrays(Mapping):
     bfloat16 first (the bfloat16 run; Q8_0 dequantized, then rounded), held bfloat16 with ``keep_bf16`` and
     widened to float32 without."""
 
-    def __init__(self, store, bf16_run: bool = False, keep_bf16: bool = True):
-        self.store, self.bf16_run, self.keep_bf16 = store, bf16_run, keep_bf16
+    def __init__(self, store, bf16_run: bool = False, keep_bf16: bool = True, experts_stored: bool = False):
+        """experts_stored: the experts' two tensors of each layer come as the store's ``StoredTensor`` itself
+        (checked, not read), for a kernel that reads them where they lie (``fast.experts.ExpertRows``)."""
+        self.store, self.bf16_run, self.keep_bf16, self.experts_stored = store, bf16_run, keep_bf16, experts_stored
 
     def __getitem__(self, name: str):
+        if self.experts_stored and name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            return self.store.checked(name)
         value = self.store.checked(name).read()
         if self.bf16_run:
             if not is_bfloat16(value):

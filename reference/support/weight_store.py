@@ -151,6 +151,7 @@ class StoredTensor:
         self.where = where
         self._read = read
         self.stored_nbytes = int(stored_nbytes)
+        self.blocks = None  # Q8_0: the file's blocks, uint8 (..., N, K/32*34), a view of the mapping
 
     @property
     def ndim(self) -> int:
@@ -192,7 +193,9 @@ class StoredTensor:
         def read(index):
             part = blocks if index is None else blocks[index]
             return Q8_0Tensor.from_blocks(part, part.shape[:-1] + (shape[-1],))
-        return cls(shape, "q8_0", where, read, blocks.nbytes)
+        tensor = cls(shape, "q8_0", where, read, blocks.nbytes)
+        tensor.blocks = blocks  # the file's bytes, for a kernel that reads Q8_0 where it lies
+        return tensor
 
     @classmethod
     def joined(cls, parts: list["StoredTensor"], axis: int, where: str) -> "StoredTensor":
