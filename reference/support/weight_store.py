@@ -254,12 +254,24 @@ class WeightStore(Mapping):
             from .checkpoint_io import check_finite
 
             for offset, piece in tensor.chunks():
-                if isinstance(piece, Q8_0Tensor) or not np.isfinite(np.asarray(piece)).all():
+                if isinstance(piece, Q8_0Tensor) or not _all_finite(piece):
                     check_finite(piece, name, "refusing to run on it", offset)  # names the values (a Q8_0's scales)
             if name in self._extra:
                 self._extra[name]()
             self._checked.add(name)
         return tensor
+
+
+_NON_FINITE_BITS = {BFLOAT16: 0x7F80, np.dtype("<f2"): 0x7C00}  # 16-bit types: exponent all ones
+
+
+def _all_finite(piece: np.ndarray) -> bool:
+    """Whether every value of ``piece`` is finite; a 16-bit float's from its bits (all exponent bits set: NaN or
+    infinity), which is twice as fast as ``np.isfinite`` on bfloat16."""
+    limit = _NON_FINITE_BITS.get(piece.dtype)
+    if limit is None:
+        return bool(np.isfinite(piece).all())
+    return piece.size == 0 or int((piece.view(np.uint16) & 0x7FFF).max()) < limit
 
 
 # ------------------------------------------------------------------------------------------------ the reference's view
