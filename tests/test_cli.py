@@ -40,6 +40,7 @@ def test_generate_json_end_to_end(capsys):
     assert len(out["token_ids"]) == C * len(out["steps_per_canvas"]) and len(out["token_ids"]) <= 2 * C
     assert all(1 <= s <= 6 for s in out["steps_per_canvas"])
     assert out["tokens_per_forward"] > 0 and out["timings"]["tokens_per_s"] > 0
+    assert out["timings"]["load_s"] < out["timings"]["first_step_s"]  # the first step's result comes after loading
     assert out["settings"]["max_denoising_steps"] == 6
     # The CLI's tokens are exactly what the library produces for the same prompt, settings and seed.
     side = load_text_side(path)

@@ -305,6 +305,7 @@ def run(args) -> int:
     prefill = PrefillProgress() if args.progress is not False and sys.stderr.isatty() else None
     committed = CommittedText(text_side.decode)
     log = DenoisingLog()
+    first_step = _FirstStep()
 
     if args.backend == "reference":  # BLAS is its only parallelism: never more threads than free cores now
         capped = threads.cap_blas_to_free_cores()
@@ -317,7 +318,7 @@ def run(args) -> int:
     interrupted = True
     try:
         result = generate(model, np.array([prompt_ids], dtype=np.int64), generation_config=settings,
-                          random=seed_value, callback=Fanout(prefill, log, committed, bars, view),
+                          random=seed_value, callback=Fanout(prefill, log, committed, bars, view, first_step),
                           **without_library_progress(generate), **({} if variant is None else {"semantics": variant}))
         interrupted = False
     except KeyboardInterrupt:
@@ -350,7 +351,8 @@ def run(args) -> int:
             "canvas_length": C, "tokens_per_forward": float(result.tokens_per_forward[0]),
             "steps_per_canvas": [int(s) for s in result.steps_per_canvas],
             "decoder_passes": int(result.forward_passes[0]) if result.forward_passes is not None else None,
-            "timings": {"load_s": round(load_seconds, 4), "generate_s": round(seconds, 4), "tokens_per_s": rate},
+            "timings": {"load_s": round(load_seconds, 4), "generate_s": round(seconds, 4), "tokens_per_s": rate,
+                        "first_step_s": None if first_step.at is None else round(first_step.at - t0, 4)},
             "threads": threads.describe(), "settings": settings.to_dict(), "model": path, "backend": args.backend,
             "backend_choice": backend_choice, "dtype": args.dtype,
             "version": __version__, "denoising": log.to_json(),
@@ -365,3 +367,15 @@ def run(args) -> int:
         print(f"[{stop_line}; seed {seed_value}{'' if seed_given else ' (random)'}: --seed {seed_value} repeats "
               "this run]", file=sys.stderr)
     return 0
+
+
+class _FirstStep:
+    """When the first denoising step ended (``time.perf_counter``): after the prompt's encoder pass and one decoder
+    pass, so ``first_step_s`` in ``--json`` (from the start of loading) is the time to the first pass's result,
+    reading the weights those passes used (a mapped checkpoint is not read whole before)."""
+
+    at: float | None = None
+
+    def on_step(self, info) -> None:
+        if self.at is None:
+            self.at = time.perf_counter()
