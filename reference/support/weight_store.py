@@ -293,7 +293,7 @@ class StreamedWeights(Mapping):
         tensor = self.store.checked(self.prefix + name)
         if tensor.nbytes > self.stream_bytes:
             return StreamedTensor(tensor, self.dtype)
-        return round_to(tensor.float32(), self.dtype)
+        return _rounded(tensor, tensor.float32(), self.dtype)
 
     def __contains__(self, name) -> bool:
         return name in self._names
@@ -306,6 +306,16 @@ class StreamedWeights(Mapping):
 
     def layer(self, l: int) -> "StreamedWeights":
         return StreamedWeights(self.store, self.dtype, f"{self.prefix}layers.{l}.", self.stream_bytes)
+
+
+def _rounded(tensor: StoredTensor, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``values`` (``tensor``'s, widened) rounded to the model's ``dtype``; a bfloat16 tensor's values already are
+    bfloat16 numbers, so the bfloat16 run takes them as they are (the rounding would return them unchanged)."""
+    from ..primitives import BFLOAT16, round_to
+
+    if dtype == BFLOAT16 and tensor.kind == "bfloat16":
+        return values
+    return round_to(values, dtype)
 
 
 class StreamedTensor:
@@ -324,14 +334,10 @@ class StreamedTensor:
         self.shape, self.ndim = tensor.shape, tensor.ndim
 
     def __getitem__(self, index) -> np.ndarray:
-        from ..primitives import round_to
-
-        return round_to(self.tensor.float32(index), self.dtype)
+        return _rounded(self.tensor, self.tensor.float32(index), self.dtype)
 
     def __array__(self, dtype=None, copy=None):
-        from ..primitives import round_to
-
-        whole = round_to(self.tensor.float32(), self.dtype)
+        whole = _rounded(self.tensor, self.tensor.float32(), self.dtype)
         return whole if dtype is None else whole.astype(dtype)
 
     def _blocks(self) -> Iterator[tuple[int, int]]:
