@@ -47,8 +47,9 @@ place at the end: a failure or Ctrl-C leaves nothing at the destination, and wha
 removed by the next write to the same destination once its process is gone.
 
 GGUF (``gguf=``): the checkpoint is then converted by ``diffusiongemma.gguf_writer.write_gguf`` into
-``DIR/model-<type>.gguf``. That converter loads the whole model in float32 first (4 bytes per parameter), so
-the maker refuses a GGUF larger than the memory available before writing anything.
+``DIR/model-<type>.gguf``. That converter reads the checkpoint through its mapping and encodes and writes one
+tensor at a time, so the maker refuses a GGUF only when the largest tensor's encoding does not fit in the
+memory available (before writing anything).
 
 torch is not needed; transformers is (its config class is the point).
 """
@@ -504,13 +505,13 @@ def make_checkpoint(path: str | os.PathLike, layers: int = 30, dtype: str = "bfl
     if gguf is not None:
         encoded = parameters * GGUF_BYTES[gguf]
         needed += encoded
-        # write_gguf holds the model in float32 and, until the file is written, every encoded tensor too
-        memory = 4 * parameters + (0 if gguf == "f32" else encoded)
+        # write_gguf reads the checkpoint through its mapping and encodes and writes one tensor at a time: it
+        # holds the largest tensor's encoding and a 64 MiB block of float32 rows
+        memory = max(math.prod(s) for s in shapes.values()) * GGUF_BYTES[gguf] + 3 * 2 ** 26
         available = _available_memory()
         if available is not None and memory > available:
-            raise InputError(f"gguf (--gguf) {gguf}: the GGUF converter holds the whole model in memory "
-                             f"({memory / 1e9:.1f} GB: float32, and the encoded tensors) and {available / 1e9:.1f} "
-                             "GB is available; make the GGUF of a smaller model, or convert this one where it fits")
+            raise InputError(f"gguf (--gguf) {gguf}: the GGUF converter holds one encoded tensor at a time, "
+                             f"{memory / 1e9:.1f} GB for the largest, and {available / 1e9:.1f} GB is available")
     free = shutil.disk_usage(os.path.dirname(path)).free
     if needed > free:
         raise InputError(f"OUT {path!r}: the checkpoint needs {int(needed):,} bytes and its folder's disk has "

@@ -320,7 +320,7 @@ def test_gguf_option_writes_what_the_project_reads(tmp_path):
 
 def test_too_little_memory_for_the_gguf_or_disk_is_refused_before_writing(tmp_path, monkeypatch):
     monkeypatch.setattr(released, "_available_memory", lambda: 1_000_000)
-    with pytest.raises(InputError, match=r"gguf \(--gguf\) q8_0: the GGUF converter holds the whole model"):
+    with pytest.raises(InputError, match=r"gguf \(--gguf\) q8_0: the GGUF converter holds one encoded tensor at a time"):
         released.make_checkpoint(tmp_path / "out", layers=2, scale=64, gguf="q8_0")
     monkeypatch.setattr(released, "_available_memory", lambda: None)
 
