@@ -86,8 +86,9 @@ class PackedLayers:
     layers in order, so with a budget below the model each pass packs every layer again: reading the files
     (or the page cache) and repacking, in exchange for memory flat in the number of layers."""
 
-    def __init__(self, pack: Any, count: int, budget: int):
-        self._pack, self._count, self.budget = pack, count, budget
+    def __init__(self, pack: Any, count: int, budget: int, prefetch: Any = None):
+        """prefetch: ``WeightStore.prefetch``, called with the next layer's prefix as each layer is packed."""
+        self._pack, self._count, self.budget, self.prefetch = pack, count, budget, prefetch
         self._held: dict[int, LayerWeights] = {}  # in order of use, the most recent last
         self.packs = 0  # layers packed so far (a test and a benchmark read it)
 
@@ -103,6 +104,8 @@ class PackedLayers:
                 del self._held[next(iter(self._held))]  # room for the next layer before it is packed
             w = self._pack(l)
             self.packs += 1
+        if self.prefetch is not None:  # the next layer's bytes (its experts in the file) read while this one runs
+            self.prefetch(f"layers.{(l + 1) % self._count}.")
         self._held[l] = w
         while len(self._held) > 1 and sum(map(_layer_nbytes, self._held.values())) > self.budget:
             del self._held[next(iter(self._held))]
@@ -233,7 +236,7 @@ class Model:
             rows = StoreArrays(store, self.bf16, keep_bf16, experts_stored=True)
             self.layers = PackedLayers(functools.partial(
                 pack_layer, config, rows, experts=functools.partial(ExpertRows.from_stored, bf16_run=self.bf16),
-                keep_bf16=keep_bf16), config.num_hidden_layers, weight_budget)
+                keep_bf16=keep_bf16), config.num_hidden_layers, weight_budget, store.prefetch)
         self._omega = {kind: rope_inverse_frequencies(config.rope_parameters[kind], d)
                        for kind, d in zip(config.layer_types, config.layer_head_dim)}
         self._eps = np.float32(config.rms_norm_eps)

@@ -250,3 +250,25 @@ def test_experts_read_in_place_equal_the_packed_panels(kind, bf16):
         outs.append(y)
     assert np.isfinite(outs[0]).all()
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_each_layer_reads_the_next_one_ahead(narrow, monkeypatch):
+    """While a block runs, the next layer's bytes are asked of the kernel in the background (madvise
+    WILLNEED), on the reference and on the CPU path over its budget: a pass's file reads overlap its work."""
+    from diffusiongemma.fast.model import Model as Fast
+    from diffusiongemma.reference.model import Model as Reference
+    from diffusiongemma.reference.support.weight_store import MappedFile, WeightStore
+
+    prefixes, ranges = [], []
+    store_prefetch, file_prefetch = WeightStore.prefetch, MappedFile.prefetch
+    monkeypatch.setattr(WeightStore, "prefetch", lambda self, prefix: (prefixes.append(prefix),
+                                                                       store_prefetch(self, prefix)))
+    monkeypatch.setattr(MappedFile, "prefetch", lambda self, offset, count: (ranges.append(count),
+                                                                             file_prefetch(self, offset, count)))
+    for model in (Reference.from_pretrained(narrow[0]), Fast.from_pretrained(narrow[0], weight_budget=CPU_BUDGET)):
+        prefixes.clear()
+        ranges.clear()
+        model.encode(np.array([[2, 5, 7]]), model.new_cache(1))
+        assert [f"layers.{l}." for l in range(1, LAYERS)] == [p for p in prefixes if p != "layers.0."][:LAYERS - 1]
+        experts = 32 * 512 * 256 * 2  # one layer's experts.gate_up_proj in the file (bfloat16)
+        assert ranges.count(experts) >= LAYERS - 1  # each asked of the file as one range

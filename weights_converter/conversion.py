@@ -302,7 +302,7 @@ def open_transformers_checkpoint(src: str | os.PathLike) -> tuple[ModelConfig, "
     ``load_transformers_checkpoint`` (names, shapes, dtypes, tied copies present); each tensor's values are
     checked finite, and each tied copy equal to its source, the first time the tensor is read."""
     from diffusiongemma.reference.support.weight_store import (MappedFile, StoredTensor, WeightStore,
-                                                               safetensors_array, safetensors_header)
+                                                               safetensors_header, safetensors_tensor)
 
     plan = plan_conversion(TransformersCheckpoint.open(src))
     files: dict[str, tuple] = {}
@@ -312,7 +312,7 @@ def open_transformers_checkpoint(src: str | os.PathLike) -> tuple[ModelConfig, "
             mapped = MappedFile(tensor.path)
             files[tensor.path] = (mapped, safetensors_header(mapped)[0])
         mapped, header = files[tensor.path]
-        return StoredTensor.of_array(safetensors_array(mapped, header[tensor.name]), f"{tensor.path}: {tensor.name}")
+        return safetensors_tensor(mapped, header[tensor.name], f"{tensor.path}: {tensor.name}")
 
     tensors = {name: stored(tensor) for name, tensor in plan.sources.items()}
     checks = {}

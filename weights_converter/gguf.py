@@ -1001,7 +1001,7 @@ def open_gguf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, "WeightS
     """
     from gguf import GGMLQuantizationType, quants
 
-    from diffusiongemma.reference.support.weight_store import MappedFile, StoredTensor, WeightStore
+    from diffusiongemma.reference.support.weight_store import MappedFile, StoredTensor, WeightStore, span
 
     checkpoint = GGUFCheckpoint.open(path)
     plan = plan_gguf(checkpoint)
@@ -1009,6 +1009,12 @@ def open_gguf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, "WeightS
     mapped = MappedFile(checkpoint.path, pinned if checkpoint.fd is not None and os.path.exists(pinned) else None)
 
     def stored(gguf_tensor: str, project: str) -> StoredTensor:
+        tensor = _stored(gguf_tensor, project)
+        info = checkpoint.tensors[gguf_tensor]
+        tensor.prefetch = span(mapped, info.data_offset, info.n_bytes)
+        return tensor
+
+    def _stored(gguf_tensor: str, project: str) -> StoredTensor:
         info = checkpoint.tensors[gguf_tensor]
         qtype = GGMLQuantizationType(info.tensor_type)
         shape = checkpoint.numpy_shape(gguf_tensor)

@@ -25,7 +25,7 @@ from ..config import ModelConfig
 from ..weights import LAYER_TENSORS, expected_shapes
 from .quantized import Q8_0Tensor
 from .errors import CheckpointError, ConfigError
-from .weight_store import MappedFile, StoredTensor, WeightStore, safetensors_array, safetensors_header
+from .weight_store import MappedFile, StoredTensor, WeightStore, safetensors_header, safetensors_tensor
 
 FORMAT_NAME = "diffusiongemma"
 FORMAT_VERSION = 1
@@ -243,7 +243,7 @@ def open_converted(path: str | os.PathLike) -> tuple[ModelConfig, WeightStore]:
                 if header[name]["dtype"] != want_dtype:
                     raise CheckpointError(f"{file_path}: tensor {name!r} is stored as {header[name]['dtype']}, but "
                                           f"{INDEX_FILE} says dtype {index['dtype']!r} ({want_dtype})")
-                tensors[name] = StoredTensor.of_array(safetensors_array(mapped, header[name]), f"{file_path}: {name}")
+                tensors[name] = safetensors_tensor(mapped, header[name], f"{file_path}: {name}")
     finally:
         if fd is not None:
             os.close(fd)

@@ -41,7 +41,7 @@ from .errors import CheckpointError
 from .quantized import BFLOAT16, Q8_0Tensor, widen
 
 __all__ = ["MappedFile", "StoredTensor", "WeightStore", "StreamedWeights", "StreamedTensor", "STREAM_BYTES",
-           "BLOCK_BYTES", "safetensors_header"]
+           "BLOCK_BYTES", "safetensors_header", "safetensors_tensor", "span"]
 
 STREAM_BYTES = 256 * 2 ** 20  # a tensor whose float32 copy is larger is widened piece by piece (StreamedTensor)
 BLOCK_BYTES = 64 * 2 ** 20  # float32 bytes of one block of rows of a StreamedTensor's products
@@ -66,6 +66,19 @@ class MappedFile:
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot open weight file ({exc.strerror or exc})") from exc
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)  # (size,) read-only
+
+    def prefetch(self, offset: int, count: int) -> None:
+        """Ask the kernel to start reading ``count`` bytes from ``offset`` into the page cache now, in the
+        background (``madvise(MADV_WILLNEED)``), so that a later pass finds them read; a no-op where the
+        platform has no such advice."""
+        advice = getattr(mmap, "MADV_WILLNEED", None)
+        if advice is None or count <= 0:
+            return
+        start = offset - offset % mmap.PAGESIZE
+        try:
+            self._map.madvise(advice, start, min(self.size, offset + count) - start)
+        except (OSError, ValueError):  # advice only: reading on demand still works
+            pass
 
     def view(self, offset: int, count: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """``count`` bytes from ``offset`` as a read-only array of ``dtype`` and ``shape`` (no copy)."""
@@ -131,6 +144,18 @@ def safetensors_array(file: MappedFile, entry: dict) -> np.ndarray:
     return file.view(entry["offset"], entry["nbytes"], _SAFETENSORS_NUMPY[entry["dtype"]], entry["shape"])
 
 
+def safetensors_tensor(file: MappedFile, entry: dict, where: str) -> "StoredTensor":
+    """A ``StoredTensor`` over one ``safetensors_header`` entry, with its ``prefetch``."""
+    tensor = StoredTensor.of_array(safetensors_array(file, entry), where)
+    tensor.prefetch = span(file, entry["offset"], entry["nbytes"])
+    return tensor
+
+
+def span(file: MappedFile, offset: int, nbytes: int) -> Callable[[], None]:
+    """The ``prefetch`` of a tensor that lies at ``offset`` in ``file``, ``nbytes`` long."""
+    return lambda: file.prefetch(offset, nbytes)
+
+
 # ------------------------------------------------------------------------------------------------ tensors
 Index = Any  # what may index a tensor's leading axis: None (all), an int, a slice or an integer array
 
@@ -152,6 +177,7 @@ class StoredTensor:
         self._read = read
         self.stored_nbytes = int(stored_nbytes)
         self.blocks = None  # Q8_0: the file's blocks, uint8 (..., N, K/32*34), a view of the mapping
+        self.prefetch: Callable[[], None] = lambda: None  # start reading its bytes in the background (``span``)
 
     @property
     def ndim(self) -> int:
@@ -213,8 +239,10 @@ class StoredTensor:
                 return np.concatenate(pieces, axis=along)
             return np.concatenate([widen(p) for p in pieces], axis=along)
         kinds = {p.kind for p in parts}
-        return cls(tuple(shape), kinds.pop() if len(kinds) == 1 else "mixed", where, read,
-                   sum(p.stored_nbytes for p in parts))
+        joined = cls(tuple(shape), kinds.pop() if len(kinds) == 1 else "mixed", where, read,
+                     sum(p.stored_nbytes for p in parts))
+        joined.prefetch = lambda: [p.prefetch() for p in parts] and None
+        return joined
 
 
 class WeightStore(Mapping):
@@ -246,6 +274,13 @@ class WeightStore(Mapping):
     @property
     def stored_nbytes(self) -> int:
         return sum(t.stored_nbytes for t in self._tensors.values())
+
+    def prefetch(self, prefix: str) -> None:
+        """Start reading every tensor whose name starts with ``prefix`` (e.g. the next layer's, "layers.4.") in the
+        background, so that the file reads overlap the computation of the layer before."""
+        for name, tensor in self._tensors.items():
+            if name.startswith(prefix):
+                tensor.prefetch()
 
     def checked(self, name: str) -> StoredTensor:
         """``self[name]``, its values checked finite the first time (``CheckpointError`` naming it if not)."""
@@ -280,8 +315,9 @@ class StreamedWeights(Mapping):
     widened when asked for and not kept (the caller drops it after use), or a ``StreamedTensor`` for a tensor
     above ``STREAM_BYTES``. ``layer(l)`` is the same view of layer ``l``'s tensors without their prefix."""
 
-    def __init__(self, store: WeightStore, dtype: np.dtype, prefix: str = "", stream_bytes: int | None = None):
-        self.store, self.dtype, self.prefix = store, dtype, prefix
+    def __init__(self, store: WeightStore, dtype: np.dtype, prefix: str = "", stream_bytes: int | None = None,
+                 next_prefix: str | None = None):
+        self.store, self.dtype, self.prefix, self.next_prefix = store, dtype, prefix, next_prefix
         self.stream_bytes = STREAM_BYTES if stream_bytes is None else stream_bytes
         self._names = [n[len(prefix):] for n in store if n.startswith(prefix)]
 
@@ -290,6 +326,8 @@ class StreamedWeights(Mapping):
 
         if name not in self._names:
             raise KeyError(name)
+        if name == "input_layernorm" and self.next_prefix is not None:  # a block begins: read the next one ahead
+            self.store.prefetch(self.next_prefix)
         tensor = self.store.checked(self.prefix + name)
         if tensor.nbytes > self.stream_bytes:
             return StreamedTensor(tensor, self.dtype)
@@ -305,7 +343,10 @@ class StreamedWeights(Mapping):
         return len(self._names)
 
     def layer(self, l: int) -> "StreamedWeights":
-        return StreamedWeights(self.store, self.dtype, f"{self.prefix}layers.{l}.", self.stream_bytes)
+        """Layer ``l``'s tensors; reading its first one (``input_layernorm``) starts reading layer ``l + 1``'s
+        in the background (``WeightStore.prefetch``)."""
+        return StreamedWeights(self.store, self.dtype, f"{self.prefix}layers.{l}.", self.stream_bytes,
+                               f"{self.prefix}layers.{l + 1}.")
 
 
 def _rounded(tensor: StoredTensor, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
