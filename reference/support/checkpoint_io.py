@@ -25,7 +25,8 @@ from ..config import ModelConfig
 from ..weights import LAYER_TENSORS, expected_shapes
 from .quantized import Q8_0Tensor
 from .errors import CheckpointError, ConfigError
-from .weight_store import MappedFile, StoredTensor, WeightStore, safetensors_header, safetensors_tensor
+from .weight_store import (MappedFile, StoredTensor, WeightStore, check_finite, safetensors_header,  # noqa: F401
+                           safetensors_tensor)
 
 FORMAT_NAME = "diffusiongemma"
 FORMAT_VERSION = 1
@@ -40,33 +41,6 @@ def to_float32(array: np.ndarray, name: str = "tensor") -> np.ndarray:
     if array.dtype in (BFLOAT16, np.float16):
         return array.astype(np.float32)
     raise CheckpointError(f"{name}: unsupported dtype {array.dtype} (expected float32, bfloat16 or float16)")
-
-
-_FINITE_CHECK_CHUNK = 1 << 22  # elements per chunk of the finiteness scan (bounds its temporary)
-
-
-def check_finite(array: np.ndarray, name: str = "tensor", what: str = "refusing a broken checkpoint",
-                 offset: int = 0) -> None:
-    """Raise ``CheckpointError`` naming ``name`` if ``array`` holds a NaN or an infinity.
-
-    The one finiteness rule for weights of every layout (converted, transformers, in memory): a NaN or
-    infinite weight is refused wherever it comes from, since it would turn into NaN logits, or, in a norm
-    weight, into logits soft-capped to +-c that still generate. Scans in chunks so that the boolean
-    temporary stays small for multi-gigabyte tensors; the message counts NaN and infinite values and
-    gives the first flat index (plus ``offset``, when ``array`` is a piece of a larger tensor).
-    """
-    if isinstance(array, Q8_0Tensor):  # its int8 values are finite; its scales may not be
-        array = array.scales
-    flat = np.asarray(array).reshape(-1)
-    for start in range(0, flat.size, _FINITE_CHECK_CHUNK):
-        chunk = flat[start:start + _FINITE_CHECK_CHUNK]
-        if not np.isfinite(chunk).all():
-            values = flat.astype(np.float32)
-            nan, inf = int(np.count_nonzero(np.isnan(values))), int(np.count_nonzero(np.isinf(values)))
-            first = int(np.flatnonzero(~np.isfinite(values))[0])
-            raise CheckpointError(f"tensor {name!r} holds {nan + inf} NaN or infinite value(s) ({nan} NaN, "
-                                  f"{inf} inf, in {array.dtype}; the first at flat index {first + offset} is "
-                                  f"{float(values[first])}); {what}")
 
 
 def check_tensors(tensors: Mapping[str, np.ndarray], config: ModelConfig, finite: bool = True) -> None:

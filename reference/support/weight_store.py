@@ -13,7 +13,7 @@ is used; what a pass has read stays only in the page cache, which the kernel dro
 
 Checks: names and shapes are checked against ``weights.expected_shapes`` when the store is opened (from the
 files' headers); a weight file too short for its own header is refused then too, before any of its data is
-read. Finiteness (``checkpoint_io.check_finite``, same named errors) is checked tensor by tensor, over the
+read. Finiteness (``check_finite``, the one rule for every layout, same named errors) is checked tensor by tensor, over the
 mapping, the first time each tensor is read (``WeightStore.checked``), so that a run starts without reading
 the whole model first, and still never computes on a NaN or infinite weight.
 
@@ -40,11 +40,38 @@ import numpy as np
 from .errors import CheckpointError
 from .quantized import BFLOAT16, Q8_0Tensor, widen
 
-__all__ = ["MappedFile", "StoredTensor", "WeightStore", "StreamedWeights", "StreamedTensor", "STREAM_BYTES",
-           "BLOCK_BYTES", "safetensors_header", "safetensors_tensor", "span"]
+__all__ = ["check_finite", "MappedFile", "StoredTensor", "WeightStore", "StreamedWeights", "StreamedTensor",
+           "STREAM_BYTES", "BLOCK_BYTES", "safetensors_header", "safetensors_tensor", "span"]
 
 STREAM_BYTES = 256 * 2 ** 20  # a tensor whose float32 copy is larger is widened piece by piece (StreamedTensor)
 BLOCK_BYTES = 64 * 2 ** 20  # float32 bytes of one block of rows of a StreamedTensor's products
+
+
+_FINITE_CHECK_CHUNK = 1 << 22  # elements per chunk of the finiteness scan (bounds its temporary)
+
+
+def check_finite(array: np.ndarray, name: str = "tensor", what: str = "refusing a broken checkpoint",
+                 offset: int = 0) -> None:
+    """Raise ``CheckpointError`` naming ``name`` if ``array`` holds a NaN or an infinity.
+
+    The one finiteness rule for weights of every layout (converted, transformers, in memory): a NaN or
+    infinite weight is refused wherever it comes from, since it would turn into NaN logits, or, in a norm
+    weight, into logits soft-capped to +-c that still generate. Scans in chunks so that the boolean
+    temporary stays small for multi-gigabyte tensors; the message counts NaN and infinite values and
+    gives the first flat index (plus ``offset``, when ``array`` is a piece of a larger tensor).
+    """
+    if isinstance(array, Q8_0Tensor):  # its int8 values are finite; its scales may not be
+        array = array.scales
+    flat = np.asarray(array).reshape(-1)
+    for start in range(0, flat.size, _FINITE_CHECK_CHUNK):
+        chunk = flat[start:start + _FINITE_CHECK_CHUNK]
+        if not np.isfinite(chunk).all():
+            values = flat.astype(np.float32)
+            nan, inf = int(np.count_nonzero(np.isnan(values))), int(np.count_nonzero(np.isinf(values)))
+            first = int(np.flatnonzero(~np.isfinite(values))[0])
+            raise CheckpointError(f"tensor {name!r} holds {nan + inf} NaN or infinite value(s) ({nan} NaN, "
+                                  f"{inf} inf, in {array.dtype}; the first at flat index {first + offset} is "
+                                  f"{float(values[first])}); {what}")
 
 
 # ------------------------------------------------------------------------------------------------ files
@@ -275,6 +302,17 @@ class WeightStore(Mapping):
     def stored_nbytes(self) -> int:
         return sum(t.stored_nbytes for t in self._tensors.values())
 
+    def replace(self, name: str, value) -> None:
+        """Hold ``value`` (an array of the tensor's shape) in memory in place of tensor ``name`` from now on: a
+        caller's change to a loaded model's weights (a mutation test, an experiment). Taken as given, as an
+        assignment into a model's dict of arrays is: no finiteness check."""
+        array = np.ascontiguousarray(value, dtype=np.float32)
+        if tuple(array.shape) != self._tensors[name].shape:
+            raise CheckpointError(f"tensor {name!r}: a replacement of shape {tuple(array.shape)} for shape "
+                                  f"{self._tensors[name].shape}")
+        self._tensors[name] = StoredTensor.of_array(array, f"{name} (replaced in memory)")
+        self._checked.add(name)
+
     def prefetch(self, prefix: str) -> None:
         """Start reading every tensor whose name starts with ``prefix`` (e.g. the next layer's, "layers.4.") in the
         background, so that the file reads overlap the computation of the layer before."""
@@ -286,8 +324,6 @@ class WeightStore(Mapping):
         """``self[name]``, its values checked finite the first time (``CheckpointError`` naming it if not)."""
         tensor = self._tensors[name]
         if name not in self._checked:
-            from .checkpoint_io import check_finite
-
             for offset, piece in tensor.chunks():
                 if isinstance(piece, Q8_0Tensor) or not _all_finite(piece):
                     check_finite(piece, name, "refusing to run on it", offset)  # names the values (a Q8_0's scales)
@@ -333,6 +369,12 @@ class StreamedWeights(Mapping):
             return StreamedTensor(tensor, self.dtype)
         return _rounded(tensor, tensor.float32(), self.dtype)
 
+    def __setitem__(self, name: str, value) -> None:
+        """Replace a tensor by an array held in memory (``WeightStore.replace``), for every view of the store."""
+        if name not in self._names:
+            raise KeyError(name)
+        self.store.replace(self.prefix + name, value)
+
     def __contains__(self, name) -> bool:
         return name in self._names
 
@@ -360,8 +402,9 @@ def _rounded(tensor: StoredTensor, values: np.ndarray, dtype: np.dtype) -> np.nd
 
 
 class StreamedTensor:
-    """A large weight that widens only what an expression reads: ``t[i]`` (an expert, rows of the table) and the
-    products ``x @ t.T`` and ``p @ t`` (a block of rows widened at a time, ``BLOCK_BYTES`` each). Values are
+    """A large weight that widens only what an expression reads: ``t[i]`` (an expert, rows of the table) and its
+    products with an array on the left, of it and of its transpose (``x @ W^T``, ``p @ W``: a block of rows
+    widened at a time, ``BLOCK_BYTES`` each). Values are
     float32 rounded to the model's dtype, as the whole tensor widened would hold them.
 
     Block products sum in the same float32 as one product; ``p @ t`` adds the blocks' partial sums in order,
@@ -392,7 +435,7 @@ class StreamedTensor:
         return _Transposed(self)
 
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
-        """``x @ t`` for ``t`` (R, H): the sum over row blocks of ``x[..., a:b] @ t[a:b]``."""
+        """``x @ W`` for this tensor W (R, H): the sum over row blocks of x's columns a:b times W's rows a:b."""
         out = None
         for a, b in self._blocks():
             part = x[..., a:b] @ self[a:b]
@@ -401,7 +444,7 @@ class StreamedTensor:
 
 
 class _Transposed:
-    """``t.T`` of a ``StreamedTensor`` (R, H), for ``x @ t.T`` (..., R): each block of output columns from one
+    """The transpose of a ``StreamedTensor`` (R, H), for ``x @ W^T`` (..., R): each block of output columns from one
     block of rows."""
 
     __array_ufunc__ = None
