@@ -381,10 +381,27 @@ def test_cli_trace_compare_and_replay(tmp_path, capsys):
 
 
 def test_cli_reference_and_fast_traces_compare_clean(tmp_path, capsys):
+    """The reference's and the compiled CPU path's traces of one run agree. The two sum in different orders
+    (their logits differ by ~1e-5 here), and at the shipped model's 4096 ids a categorical draw's interval is
+    often narrower than that moves its edges: the CPU run therefore replays the reference run's drawn ids
+    (``--replay``, teacher-forced draws), and every other decision of the run (argmax, acceptance, stop) is
+    checked to stand under any logit error up to 1e-4 (tests/decision_margins.py)."""
+    from diffusiongemma.checkpoint import default_model_dir, load_generation_config, load_text_side
+    from diffusiongemma.reference.generate import generate
+    from diffusiongemma.reference.model import Model
+    from tests.decision_margins import StepsKept, UniformsKept, assert_clear_of_ties, margins
+
+    path, noise = default_model_dir(), 1e-4
+    settings = load_generation_config(path).replace(max_new_tokens=64, max_denoising_steps=3)
+    kept, steps = UniformsKept(0), StepsKept()
+    generate(Model.from_pretrained(path), np.array([load_text_side(path).encode("In the beginning")]),
+             generation_config=settings, random=kept, callback=steps)
+    assert_clear_of_ties(margins(steps.steps, kept.kept, noise, settings.entropy_bound,
+                                 settings.confidence_threshold, draws=False), noise)
     ref, cpu = str(tmp_path / "ref.trace"), str(tmp_path / "cpu.trace")
     base = ["--prompt", "In the beginning", "--steps", "3", "--max-new-tokens", "64", "--no-progress"]
-    assert main(["trace", *base, "-o", ref]) == 0
-    assert main(["trace", *base, "-o", cpu, "--backend", "cpu"]) == 0
+    assert main(["trace", *base, "--seed", "0", "-o", ref]) == 0
+    assert main(["trace", "--replay", ref, "--no-progress", "-o", cpu, "--backend", "cpu"]) == 0
     capsys.readouterr()
     assert main(["compare", ref, cpu, "--full"]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
