@@ -101,6 +101,7 @@ def test_recorded_values_are_the_models(model, baseline):
     model.encode(PROMPT, cache)
     with Trace(path) as trace:
         for l in range(model.config.num_hidden_layers):
+            # bit-exact: the trace recorded this model's own encode and denoise of these inputs (same shapes, same calls)
             np.testing.assert_array_equal(trace.get(f"encode0.layer{l}.keys"), cache.keys[l][:, :, -15:]
                                           if model.config.is_sliding(l) else cache.keys[l])
         canvas = trace.get("canvas0.initial")
@@ -114,6 +115,7 @@ def test_recorded_values_are_the_models(model, baseline):
 def test_tracing_does_not_change_the_run(model, baseline):
     _, traced, _ = baseline
     plain = generate(model, PROMPT, generation_config=SETTINGS, random=1)
+    # bit-exact: tracing only reads the run: both runs make the same calls on the same shapes
     np.testing.assert_array_equal(plain.sequences, traced.sequences)
     np.testing.assert_array_equal(plain.tokens_per_forward, traced.tokens_per_forward)
 
