@@ -72,7 +72,7 @@ def visibility(a: dict, S: int, past: int) -> np.ndarray:
 
 def outside_bound(a: dict, out: np.ndarray, S: int, past: int, rows: int = 32) -> int:
     """Outputs of the first ``rows`` queries outside tests/test_gpu_attention_bf16.py's interval."""
-    from tests.test_gpu_attention_bf16 import interval
+    from diffusiongemma.fast.gpu.attention_bounds import interval
 
     keys = np.concatenate([a["cache_k"], a["new_k"]], 2) if past else a["new_k"]
     values = np.concatenate([a["cache_v"], a["new_v"]], 2) if past else a["new_v"]

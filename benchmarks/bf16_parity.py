@@ -3,7 +3,8 @@
 
     python benchmarks/bf16_parity.py [--seeds 6] [--free-seeds 10]
 
-1. Teacher-forced calls (``tests/test_bf16_reference.py``'s five tiny configs and calls): per call the ratio
+1. Teacher-forced calls (``diffusiongemma.crosscheck.bf16_teacher``'s five tiny configs and calls, as
+   tests/test_bf16_reference.py checks them): per call the ratio
    max|ours - transformers bf16| / max|transformers bf16 - transformers fp32|, with our router on torch's
    CPU tie order, and the same ratio for transformers' own bfloat16 run with oneDNN off (torch's own CPU
    matrix product: the same sums in another order) in place of ours; each call above 1/8 that is not
@@ -27,8 +28,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import machine_facts  # noqa: E402
-from tests.test_bf16_reference import (CONFIGS, other_kernel, other_ratio, ratio, ratio_to_other,  # noqa: E402
-                                       teacher_forced_ratios)
+from diffusiongemma.crosscheck.bf16_teacher import (CONFIGS, other_kernel, other_ratio, ratio,  # noqa: E402
+                                                  ratio_to_other, teacher_forced_ratios)
 
 
 def teacher_forced(seeds: int, tmp: str) -> None:

@@ -2,10 +2,10 @@
 
 ``python benchmarks/gpu_bf16_check.py [--device cuda|cuda-sim]`` (``benchmarks/gpu_check.sh`` runs it on the
 GPU). It runs check (b) of ``tests/test_gpu_bf16_model.py``, which CI holds on cuda-sim only, on the device
-given: for each tiny model of that file's ``CONFIGS`` (random weights, seed 3), the same calls on
+given: for each tiny model of ``CONFIGS`` (random weights, seed 3), the same calls on
 ``fast.gpu.Model(..., dtype="bfloat16")``, ``reference.Model(..., dtype="bfloat16")`` and the float32
 reference (a prompt encode with left padding, denoise calls without and with self-conditioning, an
-incremental encode and a denoise over the longer cache: that file's ``whole_calls``), and prints per call
+incremental encode and a denoise over the longer cache: ``whole_calls``), and prints per call
 
     ratio = max |gpu_bf16 - ref_bf16| / max |ref_bf16 - ref_fp32|
 
@@ -14,23 +14,22 @@ references teacher-forced by the GPU's layer outputs. Two runs that round at the
 where a float32 sum taken in another order lands next to a rounding boundary, so the ratio is near 0; a
 missing or misplaced rounding moves the run by about bfloat16's own rounding, as far as the float32 run, so
 the ratio nears 1. A call passes when its ratio is at most 1/8, or, for a denoise, when every forced ratio is
-at most 1/4 (that file's ``within``, whose docstring says why). On a GPU this is the real device's kernels:
+at most 1/4 (``within``, whose docstring says why). On a GPU this is the real device's kernels:
 tensor cores, fused multiply-adds, CUDA's own exp and tanh.
 
-The calls and the criterion are imported from the test file, so that the GPU and cuda-sim check the same
-thing. Exit status: 0 when every call passes, 1 when one does not, 2 when the check cannot run (no GPU,
-no ``dtype`` in ``fast.gpu.Model``, or the test file without those functions), each with a one-line reason.
+The calls and the criterion (``CONFIGS``, ``whole_calls``, ``ratios``, ``within``) live in
+``diffusiongemma.fast.gpu.bf16_whole_calls``, which the test imports too, so that the GPU and cuda-sim check
+the same thing. Exit status: 0 when every call passes, 1 when one does not, 2 when the check cannot run (no
+GPU, or no ``dtype`` in ``fast.gpu.Model``), each with a one-line reason.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
-import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> int:
@@ -55,18 +54,12 @@ def main(argv=None) -> int:
             print(f"bf16 check: no GPU: {reason}")
             return 2
         device = gpu.CupyDevice(args.device)
-    sys.path.insert(0, ROOT)
-    try:
-        from tests import test_gpu_bf16_model as check
-        configs, whole_calls, ratios, within = check.CONFIGS, check.whole_calls, check.ratios, check.within
-    except (ImportError, AttributeError) as error:
-        print(f"bf16 check: not run: tests/test_gpu_bf16_model.py has no CONFIGS / whole_calls / ratios / "
-              f"within ({type(error).__name__}: {error})")
-        return 2
+    from diffusiongemma.fast.gpu.bf16_whole_calls import CONFIGS as configs, ratios, whole_calls, within
+
     names = args.configs or list(configs)
     unknown = [n for n in names if n not in configs]
     if unknown:
-        print(f"bf16 check: error: unknown --config {unknown}; the test file has {sorted(configs)}")
+        print(f"bf16 check: error: unknown --config {unknown}; the checks have {sorted(configs)}")
         return 2
     print(f"bf16 check on {args.device}: per call max |gpu_bf16 - ref_bf16| / max |ref_bf16 - ref_fp32| "
           f"(<= 1/8), for a denoise also the worst layer under teacher forcing (<= 1/4)", flush=True)

@@ -136,7 +136,8 @@ def _load_openmp(count: int | None) -> None:
     if _openmp["loaded"]:
         return
     _openmp["loaded"] = True
-    name = ctypes.util.find_library("gomp")
+    # on Linux the loader finds libgomp by its soname at no cost; find_library runs ldconfig (30-50 ms a start)
+    name = "libgomp.so.1" if sys.platform.startswith("linux") else ctypes.util.find_library("gomp")
     if name is None or _gomp_loaded():
         _openmp["wait_policy"] = os.environ.get(WAIT_VARIABLE)
         return

@@ -13,14 +13,12 @@ scale cast to bfloat16 (53.066 instead of 53.0 at H = 2816; the bfloat16 tiny mo
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
-torch = pytest.importorskip("torch")
-
-from torch import nn  # noqa: E402
-
-from diffusiongemma.cli.main import main  # noqa: E402
-from diffusiongemma.crosscheck import PeerUnavailable, crosscheck  # noqa: E402
-from diffusiongemma.crosscheck.tiny import BF16_SPEC  # noqa: E402
+from diffusiongemma.cli.main import main
+from diffusiongemma.crosscheck import PeerUnavailable, crosscheck
+from diffusiongemma.crosscheck.tiny import BF16_SPEC
 
 
 @pytest.fixture(autouse=True)

@@ -194,6 +194,34 @@ def test_subcommands_come_from_one_table():
     assert names == {name for _, commands in SUBCOMMANDS for name in commands}
 
 
+def test_the_help_lines_of_unloaded_commands_are_their_own():
+    """``diffusiongemma --help`` lists every command from ``SUMMARIES`` without importing its module; each line
+    is the one the module registers, and the commands are listed in the table's order either way."""
+    from diffusiongemma.cli.main import SUBCOMMANDS, SUMMARIES
+
+    def listed(parser):
+        return [(a.dest, a.help) for a in parser._subparsers._group_actions[0]._choices_actions]
+
+    full = listed(build_parser())
+    assert [name for name, _ in full] == [name for _, commands in SUBCOMMANDS for name in commands]
+    assert full == [(name, SUMMARIES[name]) for name, _ in full]
+    assert listed(build_parser(["--help"])) == full
+    assert listed(build_parser(["plot", "run.json"])) == full
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["generate", "--help"], ["nonsense"]])
+def test_version_and_help_import_no_numerical_module(args):
+    """The start of the command pays only for what it runs: ``--version``, ``--help``, a command's help and a
+    bad command name import neither NumPy nor the reference, ml_dtypes, torch or matplotlib."""
+    code = ("import sys\nfrom diffusiongemma.cli.main import main\ntry:\n    main(sys.argv[1:])\n"
+            "except SystemExit:\n    pass\nheavy = ('numpy', 'ml_dtypes', 'torch', 'matplotlib', "
+            "'diffusiongemma.reference', 'diffusiongemma.fast', 'diffusiongemma.checkpoint')\n"
+            "print('LOADED', sorted(m for m in sys.modules if any(m == h or m.startswith(h + '.') for h in heavy)))\n")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+    loaded = [line for line in done.stdout.splitlines() if line.startswith("LOADED")]
+    assert loaded == ["LOADED []"], (done.stdout[-2000:], done.stderr[-2000:])
+
+
 @pytest.mark.parametrize("args,message", [
     (["generate", "hi", "--seed", "-1"], "argument --seed: expected an integer seed in [0, 2**64), got -1"),
     (["generate", "hi", "--seed", "2**64"], "argument --seed: expected an integer seed in [0, 2**64), got '2**64'"),

@@ -119,6 +119,7 @@ def test_tiled_bf16_products_give_the_float32_tiles_bits(m, n):
         K.gemm(x, w.astype(np.float32), True, expected)
     finally:
         K.set_parallel_threshold(previous)
+    # bit-exact: both products take the same path (CpuArrays.matmul on the same shapes), so they sum in the same order
     assert got.tobytes() == expected.tobytes()
 
 
@@ -134,6 +135,7 @@ def test_the_model_array_module_takes_bf16_weights_as_their_widened_values(tiled
     xp.matmul(x, w.astype(np.float32).T, out=expected)
     assert got.tobytes() == expected.tobytes()
     untransposed = xp.matmul(f32(3, 300), w)  # (3, 300) @ (300, 64): widened whole
+    # bit-exact: the widened matrix goes to the same BLAS call as np.matmul's (same shapes and layout, same order)
     assert untransposed.tobytes() == np.matmul(f32(3, 300), w.astype(np.float32)).tobytes()
 
 

@@ -211,10 +211,12 @@ def test_embed_flag():
     scale = np.float32(np.sqrt(np.float32(H)))
     out = np.empty((20, H), np.float32)
     K.embed(ids, table, rb(scale), None, False, EPS, out, True)
+    # bit-exact: a lookup and an elementwise scale on both sides: no sum
     assert np.array_equal(bits(out), bits(P.embed(ids, table, scale, BF)))
     signal = bf16_values(rng, (20, H))
     K.embed(ids, table, rb(scale), signal, True, EPS, out, True)
     summed = rb(P.embed(ids, table, scale, BF) + signal)  # Model.canvas_input's sum, then its norm
+    # bit-exact: the embedding's norm is the same rms_norm kernel as _norm_bf16's (one sum order)
     assert np.array_equal(bits(out), bits(_norm_bf16(summed, None)))
 
 
@@ -266,6 +268,7 @@ def test_router_input_three_roundings():
     z = np.empty_like(h)
     model.block_ops.router_input(h, scale, z)
     expected = rb(rb(_norm_bf16(h, None) * scale) * np.float32(config.hidden_size ** -0.5))
+    # bit-exact: the router input's norm is the same rms_norm kernel as _norm_bf16's; the scalings are elementwise
     assert np.array_equal(bits(z), bits(expected))
 
 
@@ -462,6 +465,9 @@ def test_decoding_a_subset_of_rows_is_the_whole_batch_rows():
     logits = np.zeros((B, C, V), np.float32)
     rows = np.array([0, 2])
     model.decode_rows(canvas[rows], rows, cache, probs, logits)
+    # bit-exact: the rows' products pass sgemm the same K and weights (only M differs), and OpenBLAS's kernels add
+    # a row's K products in one order whatever M (same bits under its Haswell, Sandybridge, Zen, SkylakeX and
+    # Prescott kernels at 1 and 2 threads)
     assert np.array_equal(bits(logits[rows]), bits(whole[rows])) and not logits[1].any()
 
 

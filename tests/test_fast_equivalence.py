@@ -185,6 +185,7 @@ def test_cache_round_trip_and_reference_cache_input():
     from_ref = KVCache.from_reference(rc)
     np.testing.assert_allclose(fst.denoise(canvas, from_ref), ref.denoise(canvas, rc), atol=2e-4)
     back = KVCache.from_reference(fc.to_reference())
+    # bit-exact: one model, one canvas, two caches holding the same values: the same kernels sum in the same order
     np.testing.assert_array_equal(fst.denoise(canvas, back), fst.denoise(canvas, fc))
     copy = fc.copy()
     fst.encode(canvas, copy)
@@ -201,6 +202,7 @@ def test_denoise_out_buffer_and_self_conditioning_in_place():
     expected = fst.denoise(canvas, cache, sc)
     buffer = sc.copy()
     assert fst.denoise(canvas, cache, buffer, out=buffer) is buffer
+    # bit-exact: the same denoise call twice (only where the logits are written differs): the same order
     np.testing.assert_array_equal(buffer, expected)
     with pytest.raises(InputError, match="out must be"):
         fst.denoise(canvas, cache, out=np.empty((1, 16, 127), np.float32))

@@ -92,6 +92,7 @@ def test_panel_products_are_within_the_dot_bound_and_the_same_on_every_instructi
     x, w = f32(m, k, seed=seed), f32(n, k, seed=seed + 1)
     outs = [run_panels(x, w, isa) for isa in ISAS]
     for isa, out in zip(ISAS[1:], outs[1:]):
+        # bit-exact: every instruction set's panel kernel adds the products in the portable kernel's order, by design
         np.testing.assert_array_equal(out, outs[0], err_msg=f"{isa} differs from portable")
     check_within_dot_bound(outs[-1], x, w, f"panels m={m} n={n} k={k}")
     if k == 0:
@@ -113,6 +114,7 @@ def test_signed_zero_and_cancellation_are_the_same_on_every_instruction_set():
     w[7, :] = np.arange(k, dtype=np.float32) * np.float32(1e-3)
     outs = [run_panels(x, w, isa) for isa in ISAS]
     for out in outs[1:]:
+        # bit-exact: as above: the instruction sets share one summation order
         assert out.tobytes() == outs[0].tobytes()  # bit for bit, signs of zeros included
     check_within_dot_bound(outs[0], x, w, "edge rows")
 
@@ -141,6 +143,7 @@ def test_q8_0_panels_give_the_float32_panels_bits_on_the_dequantized_weights(m, 
     q8, _ = q8_0_of(f32(n, k, seed=seed + 1))
     dense = q8.dequantize()
     for isa in ISAS:
+        # bit-exact: Q8_0 panels are widened exactly to the float32 panels' values, then the same kernel sums them
         assert run_panels(x, dense, isa, q8).tobytes() == run_panels(x, dense, isa).tobytes(), isa
 
 
@@ -181,12 +184,14 @@ def test_experts_match_the_per_expert_loop_with_the_same_bits_at_one_or_two_thre
                 results.append(run_experts(panels, x, offsets))
     finally:
         K.set_parallel_threshold(previous)
+    # bit-exact: threads split the experts' rows, never one dot product, so each output sums in one order
     assert results[0].tobytes() == results[1].tobytes()
     dense = lambda t: t.dequantize() if isinstance(t, Q8_0Tensor) else t  # noqa: E731
     expected = reference_experts(x, offsets, dense(gate_up), dense(down))
     np.testing.assert_allclose(results[0], expected, rtol=2e-4, atol=2e-5)
     if kind == "q8_0":  # the same bits as float32 panels of the dequantized weights
         widened = ExpertPanels.from_weights(gate_up.dequantize(), down.dequantize())
+        # bit-exact: the same kernel on exactly the same (widened) values
         assert run_experts(widened, x, offsets).tobytes() == results[0].tobytes()
         assert panels.nbytes * 3.5 < widened.nbytes
 

@@ -182,6 +182,7 @@ def replay_ours(rec: Recording, input_ids, attention_mask=None, **settings):
         np.testing.assert_array_equal(canvas, hf_canvas, err_msg=f"input canvas of decoder call {i}")
         assert (sc_logits is None) == (hf_sc is None), f"self-conditioning presence at decoder call {i}"
         if sc_logits is not None:
+            # bit-exact: our self-conditioning input is transformers' own logits (returned below) scaled elementwise: no sum
             np.testing.assert_array_equal(sc_logits, hf_sc, err_msg=f"self-conditioning logits of call {i}")
         return hf_logits
 

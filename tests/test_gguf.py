@@ -40,17 +40,17 @@ import sys
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")  # an install requirement (setup.py); never skipped in a README install
-from gguf import GGMLQuantizationType as Q  # noqa: E402
+import gguf
+from gguf import GGMLQuantizationType as Q
 
 from diffusiongemma.reference.support.errors import CheckpointError
-from diffusiongemma.reference.model import Model  # noqa: E402
-from diffusiongemma.weights_converter import convert  # noqa: E402
-from diffusiongemma.checkpoint import TextSide  # noqa: E402
-from diffusiongemma.weights_converter.gguf import GGUFCheckpoint, gguf_text_side, load_gguf_checkpoint  # noqa: E402
-from diffusiongemma.weights_converter.names import hf_name  # noqa: E402
-from tests.hf_oracle import hf_cache, hf_denoise, hf_encode  # noqa: E402
-from tests.hf_tiny import FULL, SLIDING, TinySpec, tiny_model  # noqa: E402
+from diffusiongemma.reference.model import Model
+from diffusiongemma.weights_converter import convert
+from diffusiongemma.checkpoint import TextSide
+from diffusiongemma.weights_converter.gguf import GGUFCheckpoint, gguf_text_side, load_gguf_checkpoint
+from diffusiongemma.weights_converter.names import hf_name
+from tests.hf_oracle import hf_cache, hf_denoise, hf_encode
+from tests.hf_tiny import FULL, SLIDING, TinySpec, tiny_model
 
 ATOL = 2e-4
 ARCH = "diffusion-gemma"

@@ -18,12 +18,12 @@ import sys
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")  # an install requirement; never skipped in a README install
+import gguf
 
-from diffusiongemma.reference import CheckpointError, InputError, Model  # noqa: E402
-from diffusiongemma.weights_converter.gguf import GGUFLayoutError, load_gguf_checkpoint  # noqa: E402
-from tests.hf_tiny import tiny_model  # noqa: E402
-from tests.test_gguf import SPEC, write_gguf  # noqa: E402
+from diffusiongemma.reference import CheckpointError, InputError, Model
+from diffusiongemma.weights_converter.gguf import GGUFLayoutError, load_gguf_checkpoint
+from tests.hf_tiny import tiny_model
+from tests.test_gguf import SPEC, write_gguf
 
 SCALAR_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 

@@ -106,6 +106,7 @@ def flag_case(dev, rng) -> list:
             outs[flag] = [dev.to_host(a) for a in (logits, *o, sc)]
         on, off = outs[True], outs[False]
         for a, b in zip(on[:5], off[:5]):  # the float32 run's outputs: unchanged by the flag
+            # bit-exact: the flag adds a rounding after the float32 outputs are written; their kernels are the same launches
             assert a.tobytes() == b.tobytes(), "the bf16 flag changed the pass's float32 outputs"
         got = on[5]
         assert (got[np.setdiff1d(np.arange(B * C), rows)] == -7.0).all(), "a row not sampled was written"
@@ -118,6 +119,7 @@ def flag_case(dev, rng) -> list:
             mock.Mock(device=dev, bf16=True), buf, live, what))
         GpuBackend._bf16_self_conditioning(backend, per_step, np.arange(B), cap, temps[s] if temps[s] > 0 else None)
         want = dev.to_host(per_step).reshape(B * C, V)
+        # bit-exact: the per-step loop launches the same softmax and rounding kernels on the same logits (no BLAS)
         assert got[rows].tobytes() == want[rows].tobytes(), f"step {s}: not the per-step loop's bits"
     assert np.mean(shares) >= 0.5, shares  # the tight bound is what is checked, in most rows
     # flags: NaN (1) from the float32 run; a finite logit that rounds to +inf in bfloat16 (2) from the flag

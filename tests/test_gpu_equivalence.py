@@ -40,7 +40,8 @@ from diffusiongemma.reference.generate import generate as reference_generate
 from diffusiongemma.reference.model import Model as ReferenceModel
 from diffusiongemma.reference.primitives import gelu_tanh, softcap
 from tests.gpu_kernel_helpers import float32_expert_launches
-from tests.test_gpu_host import FULL, SLIDING, Recorder, close, fake_logits, random_tensors, tiny_config
+from diffusiongemma.tiny import make_config, random_tensors
+from tests.test_gpu_host import Recorder, close, fake_logits
 
 GPU_OK, GPU_REASON = gpu.gpu_available()
 DEVICES = [pytest.param("cuda-sim", id="sim")]
@@ -73,7 +74,7 @@ def device(request):
 
 
 def pair(config, device, seed=0, gain=1.0, tensors=None):
-    tensors = tensors or random_tensors(config, seed, gain)
+    tensors = tensors or random_tensors(config, seed, final_norm_gain=gain)
     return ReferenceModel(config, tensors), gpu.Model(config, tensors, device=device)
 
 
@@ -104,11 +105,12 @@ def forward_round_trip(ref, fast, B, P, rng, mask=None, steps=1):
                                                                 HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_forward_matches_reference(device, data):
-    layers = data.draw(st.sampled_from([(SLIDING, SLIDING, FULL, SLIDING, FULL), (FULL,), (SLIDING, FULL)]))
+    layers = data.draw(st.sampled_from(["SSFSF", "F", "SF"]))  # S: sliding, F: full attention
     heads, kv = data.draw(st.sampled_from([(4, 2), (4, 1), (4, 4), (2, 1)]))
     window = data.draw(st.integers(2, 12))
     B, P = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 24))
-    config = tiny_config(layer_types=layers, heads=heads, kv=kv, kv_full=1, window=window)
+    config = make_config(layer_types=layers, num_attention_heads=heads, sliding_kv_heads=kv, full_kv_heads=1,
+                         sliding_window=window)
     ref, fast = pair(config, device, seed=data.draw(st.integers(0, 3)))
     rng = np.random.default_rng(P * 7 + B)
     mask = np.ones((B, P), dtype=np.int64)
@@ -129,18 +131,18 @@ def test_edge_shapes_match_reference(device, case):
     experts); 16 experts with top-2 for a single prompt token (14 experts with empty groups)."""
     kwargs, B, P = {}, 2, 9
     if case == "canvas of 1":
-        kwargs = dict(canvas=1)
+        kwargs = dict(canvas_length=1)
     elif case == "vocab 1037":
-        kwargs = dict(vocab=1037)
+        kwargs = dict(vocab_size=1037)
     elif case == "window longer than the cache":
-        kwargs, P = dict(window=30), 13
+        kwargs, P = dict(sliding_window=30), 13
     elif case == "head dim 512":
-        kwargs = dict(layer_types=(SLIDING, FULL), head_dim_full=512)
+        kwargs = dict(layer_types="SF", full_head_dim=512)
     elif case == "every token on both experts":
-        kwargs = dict(experts=2, top_k=2)
+        kwargs = dict(num_experts=2, top_k_experts=2)
     else:
-        kwargs, B, P = dict(experts=16, top_k=2), 1, 1
-    config = tiny_config(**kwargs)
+        kwargs, B, P = dict(num_experts=16, top_k_experts=2), 1, 1
+    config = make_config(**kwargs)
     ref, fast = pair(config, device, seed=1)
     forward_round_trip(ref, fast, B, P, np.random.default_rng(3), steps=1)
 
@@ -148,8 +150,9 @@ def test_edge_shapes_match_reference(device, case):
 @pytest.mark.slow
 def test_larger_config_matches_reference(device):
     """Several attention key tiles and query blocks, head dims 128/256, vocabulary of several chunks."""
-    config = tiny_config(layer_types=(SLIDING, FULL), vocab=3000, hidden=128, heads=8, kv=4, kv_full=2,
-                         head_dim=128, head_dim_full=256, experts=8, top_k=2, window=40, canvas=32)
+    config = make_config(layer_types="SF", vocab_size=3000, hidden_size=128, num_attention_heads=8, sliding_kv_heads=4,
+                         full_kv_heads=2, sliding_head_dim=128, full_head_dim=256, num_experts=8, top_k_experts=2,
+                         sliding_window=40, canvas_length=32)
     ref, fast = pair(config, device, seed=5)
     rng = np.random.default_rng(0)
     ids = rng.integers(3, 3000, size=(1, 70))
@@ -262,7 +265,7 @@ def test_moe_pipeline_on_crafted_routings(device, routing):
 @pytest.mark.slow
 @pytest.mark.parametrize("B,max_new,stability,confidence", [(2, 40, 1, 1.5), (3, 33, None, None)])
 def test_loop_matches_reference_loop_on_identical_logits(device, B, max_new, stability, confidence):
-    config = tiny_config()
+    config = make_config()
     ref_model, fast = pair(config, device)
     prompt = np.random.default_rng(B).integers(3, 120, size=(B, 7))
     kwargs = dict(max_new_tokens=max_new, stability_threshold=stability, confidence_threshold=confidence,
@@ -286,7 +289,7 @@ def test_the_captured_decoder_pass_replays_what_was_issued(device):
     """Each canvas's whole denoising step (decoder pass, sampling, acceptance, stop state) captured once and
     replayed (``graph.py``: a CUDA graph on a GPU, the recorded plan on cuda-sim) gives the run that the same
     steps issued launch by launch give."""
-    config = tiny_config()
+    config = make_config()
     _, fast = pair(config, device, seed=1)
     prompt = np.random.default_rng(3).integers(3, 120, size=(2, 7))
     kwargs = dict(max_new_tokens=32, max_denoising_steps=5, stability_threshold=0, confidence_threshold=4.4,
@@ -305,7 +308,7 @@ def test_generation_trajectory_matches_reference(device, seed, B):
     decoder call of a reference run (its canvas, its self-conditioning logits, the cache of that canvas) is
     replayed through the GPU model, whose logits must match (trap T20: free-running token equality needs a
     contractive model, see the next test)."""
-    config = tiny_config()
+    config = make_config()
     ref, fast = pair(config, device, seed=seed)
     prompt = np.random.default_rng(seed).integers(3, 120, size=(B, 13))
     calls = []
@@ -349,7 +352,7 @@ def test_generate_matches_reference_with_the_same_draws(device, seed):
     comparison (the two runs have parted legitimately). Any other difference fails."""
     from tests.random_weights import random_tensors as contractive_tensors
 
-    config = tiny_config()
+    config = make_config()
     tensors = contractive_tensors(config, seed, final_norm_gain=8.0, self_conditioning_gain=1e-3)
     ref, fast = pair(config, device, tensors=tensors)
     prompt = np.random.default_rng(seed).integers(3, 120, size=(2, 9))

@@ -17,13 +17,13 @@ import sys
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")  # an install requirement
+import gguf
 
-from diffusiongemma.checkpoint import default_model_dir, load_generation_config, load_text_side  # noqa: E402
-from diffusiongemma.crosscheck.llama_cpp_peer import (LLAMA_CPP_COMMIT, byte_level_tokenizer,  # noqa: E402
+from diffusiongemma.checkpoint import default_model_dir, load_generation_config, load_text_side
+from diffusiongemma.crosscheck.llama_cpp_peer import (LLAMA_CPP_COMMIT, byte_level_tokenizer,
                                                       random_tiny_model, write_tiny_checkpoint_text)
-from diffusiongemma.reference import InputError, Model  # noqa: E402
-from diffusiongemma.weights_converter.gguf import GGUFCheckpoint  # noqa: E402
+from diffusiongemma.reference import InputError, Model
+from diffusiongemma.weights_converter.gguf import GGUFCheckpoint
 
 try:
     from diffusiongemma.gguf_writer import PASS_THROUGH_TEMPLATE as PASS_THROUGH, write_gguf, write_model_gguf

@@ -671,7 +671,7 @@ def test_self_conditioning_logits_with_an_all_minus_inf_position_are_refused():
 
 # ================================================================================================ 8. counters
 def test_tokens_per_forward_is_torchs_arithmetic_for_every_count():
-    torch = pytest.importorskip("torch")
+    import torch
     passes = np.arange(1, 97, dtype=np.int64)
     for count in range(16, 16 * 40, 16):  # generated columns come in whole canvases
         tokens = np.full((passes.size, count), 9, dtype=np.int64)
@@ -684,7 +684,6 @@ def test_tokens_per_forward_is_torchs_arithmetic_for_every_count():
 
 
 def test_tokens_per_forward_matches_transformers_generate_without_a_pad_id():
-    pytest.importorskip("torch")
     from tests.hf_tiny import TinySpec, tiny_model
     from tests.test_generate_parity import record_transformers, replay_ours
 

@@ -88,6 +88,7 @@ def test_listing_matches_the_generation_loop_step_for_step(seed, batch, gain, se
     assert len(steps) == len(expected) == sum(result.steps_per_canvas) > 1
     for i, ((state, view), info) in enumerate(zip(steps, expected)):
         where = f"step {i} (canvas {info.canvas_index}, cur_step {info.step})"
+        # bit-exact: step.py and generate run the same reference functions on the same (B, C) arrays: the same order
         np.testing.assert_array_equal(view.draft, info.draft, err_msg=where)
         np.testing.assert_array_equal(view.sampled, info.sampled, err_msg=where)
         np.testing.assert_array_equal(view.entropies, info.entropies, err_msg=where)

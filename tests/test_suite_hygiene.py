@@ -58,3 +58,42 @@ def test_a_run_leaves_nothing_in_home_or_the_temporary_folder(tmp_path, cache_pl
     assert not (home / ".cache" / "diffusiongemma").exists()
     assert _size(home) == 0, sorted(os.listdir(home))
     assert _size(tmp) < 64 * 1024, [os.path.join(d, f) for d, _, fs in os.walk(tmp) for f in fs][:20]
+
+
+# What `pip install -e ".[test]"` (the README's test command) installs: the project, its requirements and the
+# test extra (setup.py). A test must not skip when one of them is missing: a missing build is a failure.
+INSTALLED_BY_THE_README = {"diffusiongemma", "numpy", "ml_dtypes", "safetensors", "tokenizers", "tqdm", "jinja2",
+                           "threadpoolctl", "gguf", "pytest", "hypothesis", "torch", "transformers", "matplotlib",
+                           "diffusers"}
+
+
+def _python_files(folder: str) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(os.path.join(ROOT, folder)) for f in files
+                  if f.endswith(".py"))
+
+
+def test_no_test_skips_what_the_readme_installs():
+    import ast
+
+    skipped = []
+    for path in _python_files("tests"):
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip" and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                    and str(node.args[0].value).split(".")[0] in INSTALLED_BY_THE_README):
+                skipped.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.args[0].value}")
+    assert not skipped, f"import these (the README's install provides them), do not skip: {skipped}"
+
+
+def test_benchmarks_import_nothing_from_the_tests():
+    """The benchmarks run from an installed package alone: what they share with the tests lives in the package
+    (diffusiongemma.tiny, diffusiongemma.crosscheck.bf16_teacher, diffusiongemma.fast.gpu.bf16_whole_calls...)."""
+    import ast
+
+    found = []
+    for path in _python_files("benchmarks"):
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{os.path.relpath(path, ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] == "tests"]
+    assert not found, found

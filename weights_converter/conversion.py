@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from diffusiongemma.reference.config import ModelConfig
 from diffusiongemma.reference.support.errors import CheckpointError, InputError
@@ -145,7 +144,12 @@ def iter_source_tensors(plan: ConversionPlan, progress: bool = False) -> Iterato
     tensors read.
     """
     total = len(plan.sources) + sum(len(c) for c in plan.tied_copies.values())
-    bar = tqdm(total=total, unit="tensor", desc="converting", disable=not progress, leave=False)
+    if progress:
+        from tqdm.auto import tqdm  # only for a bar: loading a checkpoint without one skips tqdm's ~80 ms import
+
+        bar = tqdm(total=total, unit="tensor", desc="converting", leave=False)
+    else:
+        bar = _NoBar()
     try:
         for name, tensor in plan.sources.items():
             array = plan.checkpoint.read(tensor.name)
@@ -157,6 +161,16 @@ def iter_source_tensors(plan: ConversionPlan, progress: bool = False) -> Iterato
             del array  # drop this generator's reference before reading the next tensor
     finally:
         bar.close()
+
+
+class _NoBar:
+    """What ``iter_source_tensors`` advances when no bar is shown."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _check_tied_copy(copy: np.ndarray, source: np.ndarray, copy_key: str, source_key: str) -> None:

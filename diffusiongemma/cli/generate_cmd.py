@@ -23,10 +23,11 @@ class UsageError(ValueError):
 
 def shipped_defaults() -> dict:
     """The shipped model's ``generation_config.json`` (shown in ``--help``), or {} when unreadable."""
-    try:
-        from diffusiongemma.checkpoint import default_model_dir
+    try:  # the shipped model's folder (checkpoint.default_model_dir) without importing the reference for --help
+        from importlib import resources
 
-        with open(os.path.join(default_model_dir(), "generation_config.json"), encoding="utf-8") as f:
+        with open(os.path.join(str(resources.files("diffusiongemma") / "assets" / "tiny-kjv"),
+                               "generation_config.json"), encoding="utf-8") as f:
             data = json.load(f)
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):

@@ -32,6 +32,18 @@ SUBCOMMANDS: list[tuple[str, tuple[str, ...]]] = [
     ("crosscheck_cmd", ("crosscheck",)),
     ("make_checkpoint_cmd", ("make-checkpoint",)),
 ]
+# Each command's line in ``diffusiongemma --help``, the same as its module registers (tests/test_cli_flags.py
+# checks that): the top-level help, ``--version`` and a bad command name are answered without importing the
+# command modules, which import NumPy, the reference and ml_dtypes (a 2-4 s start); only the command that
+# runs is registered in full.
+SUMMARIES: dict[str, str] = {
+    "generate": "generate text by block diffusion",
+    "convert": "convert a checkpoint to the project's format or to GGUF (the same as diffusiongemma-convert)",
+    "trace": "record a golden trace of one generation run",
+    "compare": "find the first tensor at which two traces differ",
+    "plot": "draw the denoising of a run (entropy/acceptance heatmaps, commit order, schedule)",
+    "crosscheck": "compare another implementation with the reference",
+}
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -57,14 +69,26 @@ class TopHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """``HelpFormatter`` keeping the line breaks of the command list above."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command's parser. With ``argv``, only the command it names (its first word that is not an option:
+    the top level has no option taking a value) is registered in full, the others as their help line alone,
+    so that parsing ``argv`` imports only what that command needs; without, every command in full."""
     from diffusiongemma import __version__
 
     parser = ArgumentParser(prog="diffusiongemma", description=__doc__, formatter_class=TopHelpFormatter)
     parser.add_argument("--version", action="version", version=f"diffusiongemma {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module, _ in SUBCOMMANDS:
-        importlib.import_module(f"{__package__}.{module}").register(commands, HelpFormatter)
+    named = None if argv is None else next((a for a in argv if a == "--" or not a.startswith("-")), None)
+    for module, names in SUBCOMMANDS:
+        if argv is None or named in names or any(name not in SUMMARIES for name in names):
+            importlib.import_module(f"{__package__}.{module}").register(commands, HelpFormatter)
+        else:
+            for name in names:
+                commands.add_parser(name, help=SUMMARIES[name], add_help=False)
+    choices = commands.choices  # registration order may differ from the table's: list the commands in its order
+    commands.choices = {name: choices[name] for _, names in SUBCOMMANDS for name in names}
+    order = {name: i for i, name in enumerate(commands.choices)}
+    commands._choices_actions.sort(key=lambda action: order[action.dest])
     return parser
 
 
@@ -75,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = "diffusiongemma"
     try:
-        parser = build_parser()
+        parser = build_parser(argv)  # the command named in argv only
         argv = join_signed_values(parser, argv)  # `--entropy-bound -inf`: a value, refused by the option's type
         args = parser.parse_args(argv)  # importing the package sized the threads (diffusiongemma/threads.py)
         command = f"diffusiongemma {args.command}"
