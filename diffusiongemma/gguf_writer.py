@@ -35,7 +35,10 @@ not look, need not patch it. ``weights_converter/gguf.py`` reads it back (and do
 Types (``gguf_type``): ``f32`` keeps every tensor float32, bit for bit. ``f16`` and ``q8_0`` store the
 matrices as F16 / Q8_0 (``gguf.quants``, llama.cpp's rounding) and keep float32 what llama.cpp's converter
 keeps float32: 1-D tensors, ``*_norm.weight``, the router's ``ffn_gate_inp.weight`` and the ``.scale``
-tensors; a Q8_0 matrix whose rows are not whole 32-element blocks falls back to F16, as there.
+tensors; a Q8_0 matrix whose rows are not whole 32-element blocks falls back to F16, as there. A finite weight
+that F16 or Q8_0 cannot hold (above 65,504 in an F16 matrix; a Q8_0 block whose scale, its largest magnitude
+over 127, is above 65,504) is refused by name (tensor, value, index): the file never gets an inf that the
+checkpoint did not have.
 
 Errors: ``InputError`` for a bad ``gguf_type`` or destination (exists without ``force``, not ``.gguf``),
 ``CheckpointError`` for a source without a tokenizer llama.cpp can read, or a model the format cannot hold
@@ -112,14 +115,44 @@ def _storage_type(gguf: Any, name: str, array: np.ndarray, gguf_type: str):
     return Q.Q8_0 if array.shape[-1] % block == 0 else Q.F16
 
 
-def _encode(gguf: Any, array: np.ndarray, qtype) -> np.ndarray:
+F16_MAX = float(np.finfo(np.float16).max)  # 65504: the largest finite half-precision number
+Q8_0_MAX = F16_MAX * 127  # a Q8_0 block stores max|x| / 127 as float16: about 8.3e6 at most
+
+
+def _encode(gguf: Any, array: np.ndarray, qtype, name: str = "tensor") -> np.ndarray:
+    """``array`` stored as ``qtype``. F16 and Q8_0 hold a narrower range than float32: a finite value they
+    would turn into inf (above 65,504 for F16; a Q8_0 block whose largest magnitude over 127, its scale, is
+    above 65,504) is refused with ``InputError`` naming the tensor, the value and where it is, never
+    written as inf."""
     Q = gguf.GGMLQuantizationType
     array = np.ascontiguousarray(array, dtype=np.float32)
     if qtype == Q.F32:
         return array
     if qtype == Q.F16:
-        return array.astype(np.float16)
+        with np.errstate(over="ignore"):
+            encoded = array.astype(np.float16)
+        _refuse_overflow(name, array, np.isinf(encoded) & np.isfinite(array), "F16", f"|x| <= {F16_MAX:g}")
+        return encoded
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    peaks = np.abs(array.reshape(-1, block)).max(axis=1) / np.float32(127)  # each block's scale, as gguf computes it
+    with np.errstate(over="ignore"):
+        too_large = np.isinf(peaks.astype(np.float16))
+    if too_large.any():
+        blocks = np.repeat(too_large, block).reshape(array.shape)
+        _refuse_overflow(name, array, blocks, "Q8_0",
+                         f"|x| <= about {Q8_0_MAX:.3g}: a block's scale max|x|/127 is float16")
     return gguf.quants.quantize(array, qtype)
+
+
+def _refuse_overflow(name: str, array: np.ndarray, bad: np.ndarray, kind: str, limit: str) -> None:
+    """``InputError`` naming the tensor, its largest offending value and its index when ``bad`` has any entry."""
+    if not bad.any():
+        return
+    values = np.where(bad, np.abs(array), -1.0)
+    at = np.unravel_index(int(np.argmax(values)), array.shape)
+    raise InputError(f"tensor {name} holds {array[at]} at {list(map(int, at))}, which {kind} cannot "
+                     f"store ({limit}; it would become inf); export it with --gguf-type f32, which keeps every "
+                     "float32 value")
 
 
 def _rope_freqs(config: ModelConfig) -> np.ndarray | None:
@@ -440,13 +473,14 @@ def write_model_gguf(model: Any, text_source: str | os.PathLike, dst: str | os.P
         _generation_metadata(w, text_source, notes)
         kind = _tokenizer_metadata(gguf, w, text_source, config, notes)
         tensors: list[tuple[str, np.ndarray]] = [(gguf_name(n), a) for n, a in model.tensors.items()]
+        labels = {gguf_name(n): f"{gguf_name(n)} ({n})" for n in model.tensors}
         freqs = _rope_freqs(config)
         if freqs is not None:
             tensors.append((ROPE_FREQS, freqs))
         payload = 0
         for gname, array in tensors:
             qtype = _storage_type(gguf, gname, array, gguf_type)
-            encoded = _encode(gguf, array, qtype)
+            encoded = _encode(gguf, array, qtype, labels.get(gname, gname))
             payload += encoded.nbytes
             w.add_tensor(gname, encoded, raw_dtype=qtype)
             counts[qtype.name] = counts.get(qtype.name, 0) + 1
