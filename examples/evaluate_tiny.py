@@ -566,14 +566,11 @@ def main(argv=None) -> dict:
     md = markdown(results, data, args, args.sample_chars)
     print("\n" + md)
     out = results[0][1] if len(results) == 1 else {label: r for label, r in results}  # one model: its dict
-    if args.json:
-        tmp = Path(args.json + ".tmp")
-        tmp.write_text(json.dumps(out, indent=1, default=str) + "\n")
-        tmp.replace(args.json)
+    if args.json:  # through a temporary file; a full disk names the file and leaves no .tmp
+        TT.write_file_atomic(Path(args.json), (json.dumps(out, indent=1, default=str) + "\n").encode(),
+                             "the --json file")
     if args.markdown:
-        tmp = Path(args.markdown + ".tmp")
-        tmp.write_text(md + "\n")
-        tmp.replace(args.markdown)
+        TT.write_file_atomic(Path(args.markdown), (md + "\n").encode(), "the --markdown file")
     return out
 
 

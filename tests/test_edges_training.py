@@ -103,7 +103,8 @@ def one_line_error(capsys, rc: int, script: str) -> str:
 ])
 def test_train_options_are_range_checked_by_name(data_dir, tmp_path, capsys, option, value, pattern):
     argv = ["--data-dir", str(data_dir), "--out", str(tmp_path / "m"), "--log", str(tmp_path / "log.txt"),
-            "--preset", "test", "--device", "cpu", option, value]
+            "--preset", "test", "--device", "cpu", "--max-steps", "1", "--minutes", "0.2",  # if a check is missed
+            option, value]
     err = one_line_error(capsys, TT.main(argv), "train_tiny.py")
     assert re.search(pattern, err), err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written: not the log, not --out
@@ -123,7 +124,8 @@ def test_train_options_are_range_checked_by_name(data_dir, tmp_path, capsys, opt
     ("--device", "tpu", r"--device must be auto, cpu or cuda, got 'tpu'"),
 ])
 def test_evaluate_options_are_range_checked_by_name(data_dir, capsys, option, value, pattern):
-    err = one_line_error(capsys, ET.cli(["--data-dir", str(data_dir), option, value]), "evaluate_tiny.py")
+    err = one_line_error(capsys, ET.cli(["--data-dir", str(data_dir), "--model", str(data_dir / "none"), option,
+                                         value]), "evaluate_tiny.py")  # a missed check ends at the missing model
     assert re.search(pattern, err), err
 
 
