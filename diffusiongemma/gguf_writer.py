@@ -35,7 +35,10 @@ not look, need not patch it. ``weights_converter/gguf.py`` reads it back (and do
 Types (``gguf_type``): ``f32`` keeps every tensor float32, bit for bit. ``f16`` and ``q8_0`` store the
 matrices as F16 / Q8_0 (``gguf.quants``, llama.cpp's rounding) and keep float32 what llama.cpp's converter
 keeps float32: 1-D tensors, ``*_norm.weight``, the router's ``ffn_gate_inp.weight`` and the ``.scale``
-tensors; a Q8_0 matrix whose rows are not whole 32-element blocks falls back to F16, as there.
+tensors; a Q8_0 matrix whose rows are not whole 32-element blocks falls back to F16, as there. A finite weight
+that F16 or Q8_0 cannot hold (above 65,504 in an F16 matrix; a Q8_0 block whose scale, its largest magnitude
+over 127, is above 65,504) is refused by name (tensor, value, index): the file never gets an inf that the
+checkpoint did not have.
 
 Errors: ``InputError`` for a bad ``gguf_type`` or destination (exists without ``force``, not ``.gguf``),
 ``CheckpointError`` for a source without a tokenizer llama.cpp can read, or a model the format cannot hold
@@ -116,31 +119,66 @@ def _storage_type(gguf: Any, name: str, shape: tuple[int, ...], gguf_type: str):
 _ENCODE_CHUNK_BYTES = 64 * 2 ** 20  # float32 bytes of the rows widened and encoded at a time
 
 
-def _encoded(gguf: Any, value: Any, qtype) -> np.ndarray:
+def _encoded(gguf: Any, value: Any, qtype, name: str = "tensor") -> np.ndarray:
     """The file's bytes of one tensor (``value``: an array, or a ``StreamedTensor`` of a mapped checkpoint),
     encoded a block of rows at a time so that no more than ``_ENCODE_CHUNK_BYTES`` of float32 values and their
     encoding's temporaries are alive besides the result (types work along the last axis: exact by rows)."""
     shape = tuple(value.shape)
     if len(shape) <= 1:
-        return _encode(gguf, np.asarray(value, dtype=np.float32), qtype)
+        return _encode(gguf, np.asarray(value, dtype=np.float32), qtype, name)
     Q = gguf.GGMLQuantizationType
     byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype) if qtype == Q.Q8_0 else shape
     out = np.empty(byte_shape, dtype={Q.F32: np.float32, Q.F16: np.float16}.get(qtype, np.uint8))
     row_bytes = 4 * int(np.prod(shape[1:], dtype=np.int64))
     step = max(1, _ENCODE_CHUNK_BYTES // max(1, row_bytes))
     for a in range(0, shape[0], step):
-        out[a:a + step] = _encode(gguf, np.asarray(value[a:a + step], dtype=np.float32), qtype)
+        out[a:a + step] = _encode(gguf, np.asarray(value[a:a + step], dtype=np.float32), qtype, name, a)
     return out
 
 
-def _encode(gguf: Any, array: np.ndarray, qtype) -> np.ndarray:
+F16_MAX = float(np.finfo(np.float16).max)  # 65504: the largest finite half-precision number
+Q8_0_MAX = F16_MAX * 127  # a Q8_0 block stores max|x| / 127 as float16: about 8.3e6 at most
+
+
+def _encode(gguf: Any, array: np.ndarray, qtype, name: str = "tensor", row0: int = 0) -> np.ndarray:
+    """``array`` stored as ``qtype``. F16 and Q8_0 hold a narrower range than float32: a finite value they
+    would turn into inf (above 65,504 for F16; a Q8_0 block whose largest magnitude over 127, its scale, is
+    above 65,504) is refused with ``InputError`` naming the tensor, the value and where it is, never
+    written as inf. ``row0``: where ``array``'s first row stands in the tensor (a block of its rows), for the
+    message."""
     Q = gguf.GGMLQuantizationType
     array = np.ascontiguousarray(array, dtype=np.float32)
     if qtype == Q.F32:
         return array
     if qtype == Q.F16:
-        return array.astype(np.float16)
+        with np.errstate(over="ignore"):
+            encoded = array.astype(np.float16)
+        _refuse_overflow(name, array, np.isinf(encoded) & np.isfinite(array), "F16", f"|x| <= {F16_MAX:g}", row0)
+        return encoded
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    peaks = np.abs(array.reshape(-1, block)).max(axis=1) / np.float32(127)  # each block's scale, as gguf computes it
+    with np.errstate(over="ignore"):
+        too_large = np.isinf(peaks.astype(np.float16))
+    if too_large.any():
+        blocks = np.repeat(too_large, block).reshape(array.shape)
+        _refuse_overflow(name, array, blocks, "Q8_0",
+                         f"|x| <= about {Q8_0_MAX:.3g}: a block's scale max|x|/127 is float16", row0)
     return gguf.quants.quantize(array, qtype)
+
+
+def _refuse_overflow(name: str, array: np.ndarray, bad: np.ndarray, kind: str, limit: str, row0: int = 0) -> None:
+    """``InputError`` naming the tensor, its largest offending value and its index when ``bad`` has any entry
+    (``row0`` added to the first index: ``array`` may be a block of the tensor's rows)."""
+    if not bad.any():
+        return
+    values = np.where(bad, np.abs(array), -1.0)
+    at = np.unravel_index(int(np.argmax(values)), array.shape)
+    where = [int(i) for i in at]
+    if where:
+        where[0] += row0
+    raise InputError(f"tensor {name} holds {array[at]} at {where}, which {kind} cannot "
+                     f"store ({limit}; it would become inf); export it with --gguf-type f32, which keeps every "
+                     "float32 value")
 
 
 def _rope_freqs(config: ModelConfig) -> np.ndarray | None:
@@ -464,6 +502,7 @@ def write_model_gguf(model: Any, text_source: str | os.PathLike, dst: str | os.P
         # shapes alone, then each is read (widened from a mapped checkpoint), encoded and written in turn
         shapes = expected_shapes(config)
         tensors: list[tuple[str, Any]] = [(gguf_name(n), n) for n in shapes]
+        labels = {gguf_name(n): f"{gguf_name(n)} ({n})" for n in shapes}
         freqs = _rope_freqs(config)
         if freqs is not None:
             tensors.append((ROPE_FREQS, freqs))
@@ -488,10 +527,14 @@ def write_model_gguf(model: Any, text_source: str | os.PathLike, dst: str | os.P
             for gname, source in tensors:
                 value = model.tensors[source] if isinstance(source, str) else source
                 qtype = _storage_type(gguf, gname, tuple(value.shape), gguf_type)
-                w.write_tensor_data(_encoded(gguf, value, qtype))
+                w.write_tensor_data(_encoded(gguf, value, qtype, labels.get(gname, gname)))
                 del value
             w.close()
             _finish_file(tmp)
+        except InputError:  # a value the type cannot hold, found as its tensor was encoded: the partial file goes
+            with contextlib.suppress(Exception):
+                w.close()
+            raise
         except OSError as exc:
             raise _export_write_error(dst, tmp, exc) from None
         _commit(tmp, dst, force)

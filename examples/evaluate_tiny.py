@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -61,7 +62,7 @@ WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?")
 
 def corpus_words(data_dir: Path) -> set:
     """Lower-cased words of every KJV verse (train and test)."""
-    text = (data_dir / "kjv_verses.tsv").read_text(encoding="utf-8")
+    text = "\n".join(TT.read_corpus(data_dir / "kjv_verses.tsv"))
     return {w.lower() for w in WORD.findall(text)}
 
 
@@ -160,7 +161,11 @@ def verses_in_context(data_dir: Path, tokenizer, max_context: int = 224) -> list
     sys.path.insert(0, str(HERE))
     import prepare_data as PD
 
-    rows = [ln.split("\t", 1) for ln in (data_dir / "kjv_verses.tsv").read_text(encoding="utf-8").splitlines()]
+    path = data_dir / "kjv_verses.tsv"
+    rows = [ln.split("\t", 1) for ln in TT.read_corpus(path)]
+    for n, row in enumerate(rows, 1):
+        if len(row) != 2:
+            raise ValueError(f"{path}:{n}: expected '<reference>\\t<text>', got {row[0][:60]!r}")
     out, key, ctx = [], None, []
     for i, (ref, text) in enumerate(rows):
         book, chap, _ = PD.split_ref(ref)
@@ -257,7 +262,7 @@ def corpus_bigrams(data_dir: Path) -> set:
     chapter's verses follow one another, so a verse's last word and the next one's first form a pair)."""
     pairs = set()
     for split in ("train", "test"):
-        for line in (data_dir / f"kjv_chapters_{split}.txt").read_text(encoding="utf-8").splitlines():
+        for line in TT.read_corpus(data_dir / f"kjv_chapters_{split}.txt"):
             w = words_of(line)
             pairs.update(zip(w, w[1:]))
     return pairs
@@ -278,7 +283,7 @@ def unigram_word_reference(data_dir: Path, bigrams: set, n: int = 20000, seed: i
     """The bigram share a unigram model of the corpus words would score: pairs of words drawn
     independently by their corpus frequency (``n`` pairs, fixed seed). A model that writes sentences
     scores well above it."""
-    text = "\n".join((data_dir / f"kjv_chapters_{s}.txt").read_text(encoding="utf-8") for s in ("train", "test"))
+    text = "\n".join("\n".join(TT.read_corpus(data_dir / f"kjv_chapters_{s}.txt")) for s in ("train", "test"))
     vocab, counts = np.unique(np.asarray(words_of(text)), return_counts=True)
     rng = np.random.default_rng(seed)
     a = rng.choice(vocab, size=n, p=counts / counts.sum())
@@ -286,7 +291,7 @@ def unigram_word_reference(data_dir: Path, bigrams: set, n: int = 20000, seed: i
     return float(np.mean([(x, y) in bigrams for x, y in zip(a, b)]))
 
 
-def load_model(path: str, device: str = "cpu"):
+def load_model(path: str, device: str = "cpu", option: str = "--model"):
     """The checkpoint as transformers' ``DiffusionGemmaForBlockDiffusion`` in fp32 (bf16 files widen
     exactly), in eval mode, on ``device``, with its tokenizer."""
     from tokenizers import Tokenizer
@@ -294,18 +299,23 @@ def load_model(path: str, device: str = "cpu"):
 
     p = Path(path)
     if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: not a checkpoint folder (no config.json)")
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).to(device)
+        raise FileNotFoundError(f"{option} {path}: not a checkpoint folder (no config.json)")
+    try:
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).to(device)
+    except Exception as exc:  # transformers' own errors (OSError, ValueError, KeyError, ...): one line
+        raise ValueError(f"{option} {path}: not a checkpoint transformers can load ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:300]})") from None
     model.eval()
-    return model, Tokenizer.from_file(str(p / "tokenizer.json"))
+    return model, TT.read_tokenizer(p / "tokenizer.json")
 
 
-def evaluate(path: str, data: Path, args, device: str = "cpu", say=print, deadline: float = math.inf) -> dict:
+def evaluate(path: str, data: Path, args, device: str = "cpu", say=print, deadline: float = math.inf,
+             option: str = "--model") -> dict:
     """Every measure of one checkpoint (see the module docstring), as a dict; prints as it goes. With a
     ``deadline`` (a ``time.time()``), the verses in context get at most half of the time left, and no
     sample starts that would end (judged by the slowest so far) past it: the default runs come first,
     then the other prompts, and ``res["cut_short"]`` counts the samples left out."""
-    model, tokenizer = load_model(path, device)
+    model, tokenizer = load_model(path, device, option)
     if args.steps:
         model.generation_config.max_denoising_steps = args.steps
     C = model.config.canvas_length
@@ -462,6 +472,50 @@ def markdown(results: list, data: Path, args, chars: int = 240) -> str:
     return "\n".join(out)
 
 
+LIMITS = dict(batches=(1, 1024), batch_size=(1, 4096), samples=(0, 1000), seeds=(1, 1000),
+              max_new_tokens=(1, 65536), steps=(0, 10_000), seed=(0, 2**32 - 1), sample_chars=(1, 100_000),
+              threads=(1, None))
+
+
+def check_args(args) -> None:
+    """Refuse, with ``ValueError`` naming the option and the value, a count outside its range (sizes are
+    bounded so that a huge one is refused instead of running for hours), a budget that is not a finite number
+    >= 0, an unknown device."""
+    limits = dict(LIMITS, threads=(1, max(os.cpu_count() or 1, 1)))
+    for name, (low, high) in limits.items():
+        value = getattr(args, name)
+        if not low <= value <= high:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer in [{low}, {high}], got {value}")
+    if not (math.isfinite(args.minutes) and args.minutes >= 0):
+        raise ValueError(f"--minutes must be a finite number >= 0 (0: no budget), got {args.minutes}")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    for name in ("json", "markdown"):
+        target = getattr(args, name)
+        if target and Path(target).is_dir():
+            raise ValueError(f"--{name} {target}: is a folder; give a file")
+        if target and not Path(target).resolve().parent.is_dir():
+            raise ValueError(f"--{name} {target}: its folder does not exist")
+    if not Path(args.data_dir).is_dir():
+        raise ValueError(f"--data-dir {args.data_dir}: no such folder (examples/prepare_data.py writes it)")
+
+
+def read_baseline_json(path: str) -> dict:
+    """The stored measures of an earlier ``--json`` (one model's dict, or the first of a two-model file);
+    ``ValueError`` naming the file when it is not such a file."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--baseline-json {path}: not a JSON file of evaluate_tiny.py ({exc})") from None
+    if isinstance(data, dict) and "default_runs" not in data and data:
+        data = next(iter(data.values()))  # a two-model file: its first model
+    need = {"model", "default_runs", "text_params", "samples"}
+    if not isinstance(data, dict) or not need <= set(data):
+        raise ValueError(f"--baseline-json {path}: not the measures of evaluate_tiny.py --json (no "
+                         f"{sorted(need - set(data)) if isinstance(data, dict) else 'object'})")
+    return data
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="", help="one checkpoint to evaluate (default: the shipped tiny-kjv)")
@@ -488,6 +542,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--baseline-json", default="",
                     help="take the baseline's measures from this --json file of an earlier run, not --baseline")
     args = ap.parse_args(argv)
+    check_args(args)
     t0 = time.time()
     deadline = t0 + args.minutes * 60 if args.minutes else math.inf
     torch.set_num_threads(args.threads)
@@ -499,28 +554,40 @@ def main(argv=None) -> dict:
         raise SystemExit("give --baseline or --baseline-json, not both")
     results = []
     if args.baseline_json:
-        old = json.loads(Path(args.baseline_json).read_text())
-        old = old if "default_runs" in old else next(iter(old.values()))  # a single- or two-model file
+        old = read_baseline_json(args.baseline_json)
         results.append((f"baseline: `{Path(old['model']).name}`", old))
     todo = ([("baseline", args.baseline)] if args.baseline else []) + \
         ([("candidate", args.candidate)] if args.candidate else [])
     if not todo and not results:
         todo = [("model", args.model or str(HERE.parent / "diffusiongemma" / "assets" / "tiny-kjv"))]
     for label, path in todo:  # the candidate gets what the baseline left of the budget
-        results.append((f"{label}: `{Path(path).name}`", evaluate(path, data, args, device, deadline=deadline)))
+        res = evaluate(path, data, args, device, deadline=deadline, option=f"--{label}")
+        results.append((f"{label}: `{Path(path).name}`", res))
     md = markdown(results, data, args, args.sample_chars)
     print("\n" + md)
     out = results[0][1] if len(results) == 1 else {label: r for label, r in results}  # one model: its dict
-    if args.json:
-        tmp = Path(args.json + ".tmp")
-        tmp.write_text(json.dumps(out, indent=1, default=str) + "\n")
-        tmp.replace(args.json)
+    if args.json:  # through a temporary file; a full disk names the file and leaves no .tmp
+        TT.write_file_atomic(Path(args.json), (json.dumps(out, indent=1, default=str) + "\n").encode(),
+                             "the --json file")
     if args.markdown:
-        tmp = Path(args.markdown + ".tmp")
-        tmp.write_text(md + "\n")
-        tmp.replace(args.markdown)
+        TT.write_file_atomic(Path(args.markdown), (md + "\n").encode(), "the --markdown file")
     return out
 
 
+def cli(argv=None) -> int:
+    """``main`` as a command: 0 when done, 2 with one line naming the option or file (no traceback), 130 when
+    interrupted."""
+    try:
+        main(argv)
+    except KeyboardInterrupt:
+        print("evaluate_tiny.py: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, RuntimeError, ArithmeticError, MemoryError, KeyError) as exc:
+        kind = "" if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: "
+        print(f"evaluate_tiny.py: error: {kind}{' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

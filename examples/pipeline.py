@@ -1,8 +1,8 @@
 """Prepare the data, train a tiny DiffusionGemma and evaluate it beside the shipped model: one command.
 
     python examples/pipeline.py --minutes 6 --out DIR                   # on a GPU (see train_gpu.sh)
-    python examples/pipeline.py --minutes 1 --out DIR --preset test --verses examples/kjv_sample.tsv \
-        --vocab-size 512 --device cpu --eval-args "--batches 1 --seeds 2"   # the test-sized form
+    python examples/pipeline.py --minutes 1 --out DIR --verses examples/kjv_sample.tsv --preset test \
+        --device cpu --baseline-json examples/eval_tiny-kjv.json          # on a CPU, the shipped sample
 
 Stages (each a subprocess with a hard time limit, so a hung stage cannot eat the budget):
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import shutil
@@ -132,9 +133,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--minutes", type=float, default=6.0, help="wall-clock budget of the whole command")
     ap.add_argument("--out", required=True, help="folder for the few outputs (e.g. $OUT)")
     ap.add_argument("--work", default="", help="checkpoint and training state (default: OUT/../dg_work)")
-    ap.add_argument("--data-dir", default=str(HERE / "data"))
+    ap.add_argument("--data-dir", default="", help="prepared data (default: examples/data; with --verses "
+                                                     "WORK/data, so a sample never replaces the whole Bible)")
     ap.add_argument("--verses", default="", help="prepare from this <reference>\\t<text> file, not Debian")
-    ap.add_argument("--vocab-size", type=int, default=4096)
+    ap.add_argument("--vocab-size", type=int, default=0,
+                    help="tokenizer ids (default: 4096 for the whole Bible, 512 with --verses: a sample cannot "
+                         "fill 4096)")
     ap.add_argument("--preset", default="cpu-max", help="model size (train_tiny.PRESETS)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--baseline", default=str(ROOT / "diffusiongemma" / "assets" / "tiny-kjv"),
@@ -142,18 +146,28 @@ def main(argv=None) -> dict:
     ap.add_argument("--baseline-json", default="",
                     help="the old model's measures from an earlier evaluate_tiny.py --json (instead of "
                          "evaluating --baseline again: saves the GPU's time)")
-    ap.add_argument("--eval-minutes", type=float, default=2.0, help="kept back for the evaluation")
+    ap.add_argument("--eval-minutes", type=float, default=-1.0,
+                    help="kept back for the evaluation (default: 2, or 40%% of --minutes when that is less)")
     ap.add_argument("--train-args", default="", help="more train_tiny.py flags (one string)")
     ap.add_argument("--eval-args", default="", help="more evaluate_tiny.py flags (one string)")
     ap.add_argument("--resume", action="store_true", help="continue the training state left in --work")
     ap.add_argument("--part-mib", type=float, default=15.0, help="largest piece of model.tar")
     args = ap.parse_args(argv)
+    if args.eval_minutes == -1.0:
+        args.eval_minutes = min(2.0, 0.4 * args.minutes) if math.isfinite(args.minutes) else 2.0
+    if not args.vocab_size:
+        args.vocab_size = 512 if args.verses else 4096
+    check_args(args)
 
-    out = Path(args.out)
+    # absolute paths: the stages run in the repository root, not in the caller's folder
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work) if args.work else out.resolve().parent / "dg_work"
+    work = Path(args.work).resolve() if args.work else out.parent / "dg_work"
     work.mkdir(parents=True, exist_ok=True)
-    data = Path(args.data_dir)
+    data = Path(args.data_dir).resolve() if args.data_dir else (work / "data" if args.verses else HERE / "data")
+    for name in ("verses", "baseline", "baseline_json"):
+        if getattr(args, name):
+            setattr(args, name, str(Path(getattr(args, name)).resolve()))
     model_dir = work / "tiny-kjv-new"
     R = Runner(out, t0, args.minutes)
     py = sys.executable
@@ -213,6 +227,31 @@ def main(argv=None) -> dict:
     return finish(R, summary, "ok" if not failed else "failed: " + ", ".join(failed))
 
 
+def check_args(args) -> None:
+    """``ValueError`` naming the option for a budget that is not a finite positive number, an evaluation
+    share outside [0, --minutes), a tokenizer size or tar part size out of range, a --verses file that is
+    not there."""
+    if not (math.isfinite(args.minutes) and 0 < args.minutes <= 60 * 24 * 365):
+        raise ValueError(f"--minutes must be a finite number > 0, got {args.minutes}")
+    if not (math.isfinite(args.eval_minutes) and 0 <= args.eval_minutes < args.minutes):
+        raise ValueError(f"--eval-minutes must be a number in [0, --minutes={args.minutes:g}), got {args.eval_minutes}")
+    if not 16 <= args.vocab_size <= 1_000_000:
+        raise ValueError(f"--vocab-size must be an integer in [16, 1000000], got {args.vocab_size}")
+    if not (math.isfinite(args.part_mib) and args.part_mib >= 1):
+        raise ValueError(f"--part-mib must be a number >= 1, got {args.part_mib}")
+    if args.verses and not Path(args.verses).is_file():
+        raise ValueError(f"--verses {args.verses}: no such file")
+    if args.baseline_json and not Path(args.baseline_json).is_file():
+        raise ValueError(f"--baseline-json {args.baseline_json}: no such file")
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    for name in ("train_args", "eval_args"):
+        try:
+            shlex.split(getattr(args, name))
+        except ValueError as exc:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: {exc}") from None
+
+
 def finish(R: Runner, summary: dict, status: str) -> dict:
     summary.update(status=status, seconds=round(time.time() - R.t0, 1))
     (R.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -222,5 +261,9 @@ def finish(R: Runner, summary: dict, status: str) -> dict:
 
 
 if __name__ == "__main__":
-    s = main()
+    try:
+        s = main()
+    except ValueError as exc:
+        print(f"pipeline.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(0 if s["status"] == "ok" else 1)

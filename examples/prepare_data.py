@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -128,7 +129,9 @@ def train_tokenizer(train_texts: list[str], vocab_size: int = VOCAB_SIZE):
     tok.add_special_tokens(IMAGE_SPECIALS)
     add_bos_post_processor(tok)
     if tok.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} ids, wanted {vocab_size}")
+        raise ValueError(f"--vocab-size {vocab_size}: the training text yields a tokenizer of only "
+                         f"{tok.get_vocab_size()} ids (every merge it has); give --vocab-size "
+                         f"{tok.get_vocab_size()} or less (512 suits examples/kjv_sample.tsv)")
     for i, name in enumerate(SPECIALS):
         if tok.token_to_id(name) != i:
             raise RuntimeError(f"special {name} got id {tok.token_to_id(name)}, wanted {i}")
@@ -164,7 +167,13 @@ def read_verses_tsv(path: Path) -> list[tuple[str, str]]:
     sample ``examples/kjv_sample.tsv`` the tests train on. Raises ValueError naming the file and line when
     a line has no tab, an empty text or a reference that is not ``<book><chapter>:<verse>``."""
     verses = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    if "\0" in text:
+        raise ValueError(f"{path}: a binary file (NUL byte), not '<reference>\\t<text>' lines")
+    for n, line in enumerate(text.splitlines(), 1):
         ref, tab, text = line.partition("\t")
         if not tab or not text.strip():
             raise ValueError(f"{path}:{n}: expected '<reference>\\t<text>', got {line[:60]!r}")
@@ -186,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE,
                     help="tokenizer ids in total (a small sample cannot fill 4096)")
     args = ap.parse_args(argv)
+    if not 16 <= args.vocab_size <= 1_000_000:
+        raise ValueError(f"--vocab-size must be an integer in [16, 1000000], got {args.vocab_size}")
     data = Path(args.data_dir)
     data.mkdir(parents=True, exist_ok=True)
     verses = read_verses_tsv(Path(args.verses)) if args.verses else dump_verses(data / "raw")
@@ -205,4 +216,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"prepare_data.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -37,6 +37,7 @@ import time
 _T_START = time.time()  # the --minutes budget counts from here: imports, data and model setup included
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -148,6 +149,126 @@ class TrainConfig:
     threads: int = 1  # torch.set_num_threads (CPU)
     init_from: str = ""  # start from this checkpoint's weights (fresh optimizer and schedule); "" = scratch
     resume: str = ""  # continue a run from its state file (or the checkpoint folder beside it)
+
+
+# ----------------------------------------------------------------------------------------------------
+# checking the options (every one, before anything is read or written)
+
+MAX_BATCH = 4096  # B: a step holds B x (context + canvas) x vocab logits; beyond this a step cannot end soon
+MAX_TOKENS = 8192  # --max-context, --short-context, --max-prev-tokens: the model's context is far shorter
+MAX_EVAL_BATCHES = 1024  # held-out batches are built up front: more would take minutes before the first step
+MAX_SEED = 2**32 - 1  # numpy's default_rng and torch.manual_seed both take it
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_config(cfg: TrainConfig, what: str = "") -> None:
+    """Refuse, with ``ValueError`` naming the option and the value (``what`` prefixed: e.g. the state file a
+    resumed run's settings came from), any setting of the wrong type or outside its range, and an ``--out``
+    that would clobber something that is not a checkpoint: an existing file, a non-empty folder without
+    train_meta.json, the data folder, a folder inside it or one that holds it."""
+    def bad(name, value, rule):
+        raise ValueError(f"{what}{_option(name)} must be {rule}, got {value!r}")
+
+    choices = dict(preset=sorted(PRESETS), device=["auto", "cpu", "cuda"], amp=["auto", "bf16", "off"],
+                   data=["chapters", "verses"], storage=["fp32", "bf16"])
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            bad(name, getattr(cfg, name), "one of " + ", ".join(allowed))
+    ints = dict(batch_size=(1, MAX_BATCH), max_context=(0, MAX_TOKENS), short_context=(0, MAX_TOKENS),
+                max_prev_tokens=(0, MAX_TOKENS), warmup_steps=(0, None), max_steps=(0, None), session_steps=(0, None),
+                log_every=(1, None), eval_every=(0, None), eval_batches=(1, MAX_EVAL_BATCHES), seed=(0, MAX_SEED),
+                threads=(1, max(os.cpu_count() or 1, 1)))
+    for name, (low, high) in ints.items():
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            bad(name, value, "an integer")
+        if value < low or (high is not None and value > high):
+            bad(name, value, f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}")
+    # (low, high, low inclusive, high inclusive); None: unbounded
+    reals = dict(p_short=(0, 1, True, True), p_prev=(0, 1, True, True), lr=(0, 1, False, True),
+                 min_lr_frac=(0, 1, True, True), weight_decay=(0, None, True, None), grad_clip=(0, None, False, None),
+                 eps=(0, 1, False, False), p_self_cond=(0, 1, True, True), w_enc=(0, None, True, None),
+                 minutes=(0, 60 * 24 * 365, False, True), schedule_minutes=(0, None, True, None),
+                 save_every_minutes=(0, None, False, None), eval_every_minutes=(0, None, False, None))
+    for name, (low, high, low_in, high_in) in reals.items():
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            bad(name, value, "a finite number")
+        if (value < low if low_in else value <= low) or (high is not None and (value > high if high_in else value >= high)):
+            rule = ("[" if low_in else "(") + f"{low}, " + (f"{high}" + ("]" if high_in else ")") if high is not None
+                                                             else "inf)")
+            bad(name, value, "in " + rule)
+    if cfg.short_context > cfg.max_context:
+        raise ValueError(f"{what}--short-context ({cfg.short_context}) must not exceed --max-context ({cfg.max_context})")
+    for name in ("data_dir", "out", "log"):
+        if not getattr(cfg, name).strip():
+            bad(name, getattr(cfg, name), "a path")
+    check_out(cfg, what)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_out(cfg: TrainConfig, what: str = "") -> None:
+    """``--out`` may name a new path or a checkpoint folder this script wrote (it holds train_meta.json): the
+    save renames it away and back, so anything else there would be lost. ``--log`` must not be a folder."""
+    out, data = Path(cfg.out).resolve(), Path(cfg.data_dir).resolve()
+    if out.is_file() or out.is_symlink() and not out.exists():
+        raise ValueError(f"{what}--out {cfg.out}: is a file; give a folder for the checkpoint (a new one, or one "
+                         "this script wrote)")
+    if _inside(out, data) or _inside(data, out):
+        raise ValueError(f"{what}--out {cfg.out}: {'is inside' if _inside(out, data) else 'holds'} the data folder "
+                         f"{cfg.data_dir}; saving renames --out away, which would break the data: give a folder "
+                         "outside it")
+    if out.is_dir() and any(out.iterdir()) and not (out / "train_meta.json").is_file():
+        raise ValueError(f"{what}--out {cfg.out}: is a folder with other files (no train_meta.json of an earlier "
+                         "run); saving replaces it whole, so give a new folder")
+    for sibling in (out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")):
+        if sibling.exists() and not sibling.is_dir():
+            raise ValueError(f"{what}--out {cfg.out}: {sibling} is in the way (a file where the save puts its "
+                             "temporary folder); move it")
+    state = state_path(str(out))
+    if state.exists() and not state.is_file():
+        raise ValueError(f"{what}--out {cfg.out}: {state} (where the training state goes) is not a file")
+    if Path(cfg.log).is_dir():
+        raise ValueError(f"{what}--log {cfg.log}: is a folder; give a file for the loss log")
+
+
+def read_tokenizer(path: Path):
+    """The ``tokenizers.Tokenizer`` of ``path``; ``ValueError`` naming the file when it does not load or has
+    too few ids for the specials (ids 0-4 and the top three)."""
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for a damaged file
+        raise ValueError(f"{path}: not a readable tokenizer ({' '.join(str(exc).split())[:200]}); run "
+                         "examples/prepare_data.py again") from None
+    if tokenizer.get_vocab_size() < 16:
+        raise ValueError(f"{path}: the tokenizer has {tokenizer.get_vocab_size()} ids; it needs at least 16")
+    return tokenizer
+
+
+def read_corpus(path: Path) -> list[str]:
+    """The non-blank lines of a prepared text file; ``ValueError`` naming it when it is not UTF-8 text (a
+    binary file: a NUL byte or bytes that do not decode) or holds no text at all."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing: run examples/prepare_data.py first")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}); run examples/prepare_data.py again") from None
+    if "\0" in text:
+        raise ValueError(f"{path}: a binary file (NUL byte at {text.index(chr(0))}), not text")
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        raise ValueError(f"{path}: {'empty' if not raw else 'only blank lines'}: no text to train or evaluate on")
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -318,9 +439,9 @@ def load_verses(data_dir: str, split: str, tokenizer) -> tuple[list, list]:
     The leading-space form is used when the verse follows another one inside the prompt.
     """
     path = Path(data_dir) / f"kjv_{split}.txt"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} missing: run examples/prepare_data.py first")
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln]
+    lines = read_corpus(path)
+    if len(lines) < 2:  # make_batch draws a verse after the first one
+        raise ValueError(f"{path}: {len(lines)} verse; the verse data needs at least 2")
     bare = dict(add_special_tokens=False)  # <bos> is added by make_batch
     plain = [np.asarray(e.ids, np.int64) for e in tokenizer.encode_batch(lines, **bare)]
     spaced = [np.asarray(e.ids, np.int64) for e in tokenizer.encode_batch([" " + ln for ln in lines], **bare)]
@@ -358,9 +479,7 @@ def load_chapters(data_dir: str, split: str, tokenizer) -> list:
     """Token ids (int64 arrays, no specials) of each chapter of ``split`` ("train"/"test") of the
     running-text files ``kjv_chapters_{split}.txt`` written by prepare_data.py (one chapter a line)."""
     path = Path(data_dir) / f"kjv_chapters_{split}.txt"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} missing: run examples/prepare_data.py first")
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln]
+    lines = read_corpus(path)
     return [np.asarray(e.ids, np.int64) for e in tokenizer.encode_batch(lines, add_special_tokens=False)]
 
 
@@ -412,12 +531,21 @@ def generation_defaults(spec: ModelSpec) -> dict:
                 eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=BOS_ID)
 
 
+class SaveError(OSError):
+    """A checkpoint or state that could not be written (its errno kept); the message names the file."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 def save_checkpoint(model, out: str, tokenizer_path: Path, spec: ModelSpec, meta: dict,
-                    storage: str = "fp32") -> float:
+                    storage: str = "fp32", trial: bool = False) -> float:
     """Write model (safetensors in ``storage``: "fp32" or "bf16"), tokenizer.json (+ tokenizer_config.json
     when the data folder has one), generation_config.json and train_meta.json to ``out`` through a
     sibling temporary directory, then swap it in (no half-written checkpoint). The model in memory is not
-    changed (bf16 storage saves a rounded copy). Returns the seconds it took."""
+    changed (bf16 storage saves a rounded copy). ``trial``: write the temporary directory and remove it,
+    leaving ``out`` alone (what a save costs). A failed write (a full disk) removes the temporary directory
+    and raises ``OSError`` naming ``out``; the old checkpoint stays. Returns the seconds it took."""
     import copy
 
     from transformers import GenerationConfig
@@ -427,18 +555,26 @@ def save_checkpoint(model, out: str, tokenizer_path: Path, spec: ModelSpec, meta
         raise ValueError(f"--storage must be fp32 or bf16, got {storage!r}")
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        model.generation_config = GenerationConfig(**generation_defaults(spec))
+        if storage == "bf16":
+            copy.deepcopy(model).to("cpu", torch.bfloat16).save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp)
+        shutil.copy(tokenizer_path, tmp / "tokenizer.json")
+        if (tokenizer_path.parent / "tokenizer_config.json").exists():
+            shutil.copy(tokenizer_path.parent / "tokenizer_config.json", tmp / "tokenizer_config.json")
+        (tmp / "train_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SaveError(exc.errno, f"cannot write the checkpoint {out}: {exc.strerror or exc}; the previous one "
+                                   "is kept") from None
+    if trial:
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.generation_config = GenerationConfig(**generation_defaults(spec))
-    if storage == "bf16":
-        copy.deepcopy(model).to("cpu", torch.bfloat16).save_pretrained(tmp)
-    else:
-        model.save_pretrained(tmp)
-    shutil.copy(tokenizer_path, tmp / "tokenizer.json")
-    if (tokenizer_path.parent / "tokenizer_config.json").exists():
-        shutil.copy(tokenizer_path.parent / "tokenizer_config.json", tmp / "tokenizer_config.json")
-    (tmp / "train_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        return time.time() - t0
     old = out.with_name(out.name + ".old")
     if out.exists():
         if old.exists():
@@ -450,18 +586,109 @@ def save_checkpoint(model, out: str, tokenizer_path: Path, spec: ModelSpec, meta
     return time.time() - t0
 
 
+STATE_FORMAT = "diffusiongemma-train-state"  # the safetensors metadata key "format" of a training state
+STATE_VERSION = 1
+
+
 def state_path(out: str) -> Path:
-    """Where a run keeps its resumable state: ``<out>.train_state.pt`` beside the checkpoint folder (not
-    inside it, so the checkpoint stays the few files a user needs)."""
+    """Where a run keeps its resumable state: ``<out>.train_state.safetensors`` beside the checkpoint folder
+    (not inside it, so the checkpoint stays the few files a user needs)."""
     out = Path(out)
-    return out.with_name(out.name + ".train_state.pt")
+    return out.with_name(out.name + ".train_state.safetensors")
 
 
-def save_state(path: Path, state: dict) -> None:
-    """``torch.save`` through a temporary file, then rename (a stopped run leaves the old state whole)."""
+def state_tensors(model, opt, gen: torch.Generator, cuda: bool) -> dict:
+    """The tensors of a training state: ``model/<name>`` (fp32 weights, each its own copy: tied weights
+    share memory, which safetensors refuses), ``optim/<param index>/<key>`` (AdamW's step and moments) and
+    ``rng/noise``, ``rng/torch`` (and ``rng/cuda``) as uint8."""
+    out = {f"model/{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+    for index, slot in opt.state_dict()["state"].items():
+        for key, value in slot.items():
+            out[f"optim/{index}/{key}"] = torch.as_tensor(value).detach().to("cpu", copy=True).contiguous()
+    out["rng/noise"] = gen.get_state().clone()
+    out["rng/torch"] = torch.get_rng_state().clone()
+    if cuda:
+        out["rng/cuda"] = torch.cuda.get_rng_state().clone()
+    return out
+
+
+def save_state(path: Path, tensors: dict, info: dict) -> None:
+    """Write a training state: ``tensors`` (see ``state_tensors``) as safetensors, ``info`` (settings, step,
+    schedule, held-out history, the optimizer's param groups, the data sampler's NumPy state: plain JSON)
+    in its metadata. Through a temporary file, then rename: a stopped run leaves the old state whole; a
+    failed write (a full disk) removes the temporary file and raises ``OSError`` naming ``path``."""
+    from safetensors.torch import save
+
+    data = save(tensors, metadata={"format": STATE_FORMAT, "version": str(STATE_VERSION),
+                                   "info": json.dumps(info)})
+    write_file_atomic(path, data, "the training state")
+
+
+def write_file_atomic(path: Path, data: bytes, what: str) -> None:
+    """``data`` into ``path`` through ``<path>.tmp`` (flushed, then renamed); on any ``OSError`` the temporary
+    file is removed and the error names ``what`` and ``path`` (the old file, if any, is kept)."""
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise SaveError(exc.errno, f"cannot write {what} {path}: {exc.strerror or exc}; nothing was replaced") from None
+
+
+def load_state(path: Path) -> tuple[dict, dict]:
+    """(tensors, info) of a training state written by ``save_state``. Nothing in the file is executed: a
+    pickled state of an earlier version (``*.train_state.pt``) or any other file is refused with
+    ``ValueError`` naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    raw = Path(path).read_bytes()
+    if raw[:2] == b"\x80\x02" or raw[:4] == b"PK\x03\x04" or Path(path).suffix == ".pt":
+        raise ValueError(f"--resume {path}: a pickled training state (torch.save, an earlier version of this "
+                         "script); it is not loaded, because unpickling runs code from the file. Resume from a "
+                         "*.train_state.safetensors file, or start again")
+    try:
+        import safetensors
+
+        with safetensors.safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        tensors = load(raw)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"--resume {path}: not a training state (not a readable safetensors file: "
+                         f"{' '.join(str(exc).split())})") from None
+    if meta.get("format") != STATE_FORMAT or meta.get("version") != str(STATE_VERSION):
+        raise ValueError(f"--resume {path}: not a training state of this script (format "
+                         f"{meta.get('format')!r} version {meta.get('version')!r}; wanted {STATE_FORMAT!r} "
+                         f"version {STATE_VERSION})")
+    try:
+        info = json.loads(meta.get("info", ""))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--resume {path}: the state's settings are damaged ({exc})") from None
+    need = {"cfg", "spec", "step", "train_seconds", "schedule_seconds", "warmup_seconds", "evals",
+            "numpy_rng", "param_groups"}
+    if not isinstance(info, dict) or not need <= set(info):
+        have = sorted(info) if isinstance(info, dict) else type(info).__name__
+        raise ValueError(f"--resume {path}: the state's settings lack {sorted(need - set(info or {}))} "
+                         f"(has {have})")
+    for key in ("rng/noise", "rng/torch"):
+        if key not in tensors:
+            raise ValueError(f"--resume {path}: the state has no tensor {key!r}")
+    return tensors, info
+
+
+def optimizer_state(tensors: dict, param_groups: list) -> dict:
+    """AdamW's ``state_dict`` from a state's ``optim/<index>/<key>`` tensors and its JSON param groups."""
+    state: dict = {}
+    for name, value in tensors.items():
+        if name.startswith("optim/"):
+            _, index, key = name.split("/", 2)
+            state.setdefault(int(index), {})[key] = value
+    return {"state": state, "param_groups": param_groups}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -526,10 +753,14 @@ def pick_device(name: str) -> torch.device:
 
 
 def resume_file(path: str) -> Path:
-    """The state file named by ``--resume``: the file itself, or the one beside a checkpoint folder."""
+    """The state file named by ``--resume``: the file itself, or the one beside a checkpoint folder (an
+    earlier version's pickled ``.train_state.pt`` there is named and refused by ``load_state``)."""
     p = Path(path)
     if p.is_dir():
+        old = p.with_name(p.name + ".train_state.pt")
         p = state_path(str(p))
+        if not p.is_file() and old.is_file():
+            p = old
     if not p.is_file():
         raise FileNotFoundError(f"--resume {path}: no training state at {p}")
     return p
@@ -569,14 +800,20 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
     t0 = time.time() if t0 is None else t0
     budget = Budget(cfg.minutes, t0)
     state = None
+    check_config(cfg)  # every option, before anything is read or written
     if cfg.resume:
-        state = torch.load(resume_file(cfg.resume), map_location="cpu", weights_only=False)
-        saved = dict(state["cfg"])
-        for k in ("minutes", "session_steps", "device", "amp", "data_dir", "log", "out", "resume",
-                  "save_every_minutes", "eval_every", "eval_every_minutes", "log_every", "threads", "max_steps"):
-            saved[k] = getattr(cfg, k)
-        cfg = TrainConfig(**saved)
-        spec = ModelSpec(**state["spec"])
+        state_file = resume_file(cfg.resume)
+        tensors, state = load_state(state_file)
+        try:
+            saved = dict(state["cfg"])
+            for k in ("minutes", "session_steps", "device", "amp", "data_dir", "log", "out", "resume",
+                      "save_every_minutes", "eval_every", "eval_every_minutes", "log_every", "threads", "max_steps"):
+                saved[k] = getattr(cfg, k)
+            cfg = TrainConfig(**saved)
+            spec = ModelSpec(**state["spec"])
+        except TypeError as exc:  # a setting this version does not know, or one missing
+            raise ValueError(f"--resume {state_file}: the state's settings do not fit this script ({exc})") from None
+        check_config(cfg, what=f"--resume {state_file}: ")
     device = pick_device(cfg.device)
     cuda = device.type == "cuda"
     if cfg.amp not in ("auto", "bf16", "off"):
@@ -586,10 +823,12 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    if not Path(cfg.data_dir).is_dir():
+        raise FileNotFoundError(f"--data-dir {cfg.data_dir}: no such folder (examples/prepare_data.py writes it)")
     tok_path = Path(cfg.data_dir) / "tokenizer.json"
     if not tok_path.exists():
         raise FileNotFoundError(f"{tok_path} missing: run examples/prepare_data.py first")
-    tokenizer = Tokenizer.from_file(str(tok_path))
+    tokenizer = read_tokenizer(tok_path)
     spec = spec or preset_spec(cfg.preset, tokenizer.get_vocab_size())
     if tokenizer.get_vocab_size() != spec.vocab_size:
         raise ValueError(f"tokenizer {tok_path} has {tokenizer.get_vocab_size()} ids, model {spec.vocab_size}")
@@ -623,12 +862,21 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
 
     if state is not None:
         model = build_model(spec, cfg.seed)
-        model.load_state_dict(state["model"])
+        weights = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as exc:
+            raise ValueError(f"--resume {state_file}: the weights do not fit the model of its settings "
+                             f"({' '.join(str(exc).split())[:300]})") from None
     elif cfg.init_from:
         from transformers import DiffusionGemmaForBlockDiffusion
 
-        model = DiffusionGemmaForBlockDiffusion.from_pretrained(cfg.init_from, dtype=torch.float32,
-                                                                attn_implementation="eager")
+        try:
+            model = DiffusionGemmaForBlockDiffusion.from_pretrained(cfg.init_from, dtype=torch.float32,
+                                                                    attn_implementation="eager")
+        except Exception as exc:  # transformers' own errors (OSError, ValueError, KeyError...): one line
+            raise ValueError(f"--init-from {cfg.init_from}: not a checkpoint transformers can load "
+                             f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})") from None
         if model.config.text_config.vocab_size != spec.vocab_size:
             raise ValueError(f"--init-from {cfg.init_from}: vocab {model.config.text_config.vocab_size}, "
                              f"tokenizer {spec.vocab_size}")
@@ -643,14 +891,19 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
     gen = torch.Generator().manual_seed(cfg.seed)
     step, train_s, schedule_s, warm_s, evals = 0, 0.0, 0.0, None, []
     if state is not None:
-        opt.load_state_dict(state["optimizer"])
-        step, train_s, evals = state["step"], state["train_seconds"], state["evals"]
-        schedule_s, warm_s = state["schedule_seconds"], state["warmup_seconds"]
-        rng.bit_generator.state = state["numpy_rng"]
-        gen.set_state(state["noise_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        if cuda and state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"])
+        try:
+            opt.load_state_dict(optimizer_state(tensors, state["param_groups"]))
+            step, train_s, evals = int(state["step"]), float(state["train_seconds"]), list(state["evals"])
+            schedule_s = float(state["schedule_seconds"])
+            warm_s = None if state["warmup_seconds"] is None else float(state["warmup_seconds"])
+            rng.bit_generator.state = state["numpy_rng"]
+            gen.set_state(tensors["rng/noise"])
+            torch.set_rng_state(tensors["rng/torch"])
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+            raise ValueError(f"--resume {state_file}: the optimizer or random states are damaged "
+                             f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})") from None
+        if cuda and "rng/cuda" in tensors:
+            torch.cuda.set_rng_state(tensors["rng/cuda"])
     Path(cfg.log).parent.mkdir(parents=True, exist_ok=True)
     log = open(cfg.log, "a", encoding="utf-8")
 
@@ -686,15 +939,20 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
                     heldout_losses=evals[-1] if evals else None,
                     command="python examples/train_tiny.py " + " ".join(sys.argv[1:]))
 
-    def checkpoint() -> float:
+    def checkpoint(trial: bool = False) -> float:
+        """Save the checkpoint folder and the training state; ``trial``: write both to their temporary
+        names and remove them (what a save costs, measured without touching ``out``)."""
         ts = time.time()
-        save_checkpoint(model, cfg.out, tok_path, spec, meta(), cfg.storage)
-        save_state(state_path(cfg.out), dict(
-            cfg=asdict(cfg), spec=asdict(spec), model={k: v.detach().cpu() for k, v in model.state_dict().items()},
-            optimizer=opt.state_dict(), step=step, train_seconds=train_s, schedule_seconds=schedule_s,
-            warmup_seconds=warm_s,
-            evals=evals, numpy_rng=rng.bit_generator.state, noise_rng=gen.get_state(),
-            torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if cuda else None))
+        save_checkpoint(model, cfg.out, tok_path, spec, meta(), cfg.storage, trial=trial)
+        info = dict(cfg=asdict(cfg), spec=asdict(spec), step=step, train_seconds=train_s,
+                    schedule_seconds=schedule_s, warmup_seconds=warm_s, evals=evals,
+                    numpy_rng=rng.bit_generator.state, param_groups=opt.state_dict()["param_groups"])
+        target = state_path(cfg.out)
+        if trial:
+            target = target.with_name(target.name + ".trial")
+        save_state(target, state_tensors(model, opt, gen, cuda), info)
+        if trial:
+            target.unlink()
         return time.time() - ts
 
     gpu_name = f" ({torch.cuda.get_device_name(device)})" if cuda else ""
@@ -708,8 +966,8 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
         evals.append(ev)
     say(f"eval   {step:6d}  heldout loss {ev['loss']:.4f}  diff {ev['diff']:.4f}  ar {ev['ar']:.4f}  "
         f"({eval_s:.1f} s)")
-    save_s = checkpoint()  # a usable checkpoint from the start; also measures what a save costs
-    say(f"# saved {cfg.out} at step {step} ({save_s:.1f} s)")
+    save_s = checkpoint(trial=True)  # what a save costs; --out is first written after a training step
+    say(f"# a save takes {save_s:.1f} s (measured on temporary files; {cfg.out} is written after the first step)")
     budget.reserve = 1.5 * (eval_s + save_s) + 2.0  # the final evaluation and save, with a margin
     if not schedule_s:
         schedule_s = cfg.schedule_minutes * 60 or max(budget.left() - budget.reserve, 1.0)
@@ -774,6 +1032,13 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
             save_s = checkpoint()
             last_save = time.time()
             say(f"# saved {cfg.out} at step {step}")
+    if session == 0:  # nothing trained: --out and its state stay as they were
+        minutes = (time.time() - t0) / 60
+        say(f"# done ({stop}): no step fit in this process ({minutes:.2f} of {cfg.minutes:g} min); nothing saved, "
+            f"{cfg.out} left as it was")
+        log.close()
+        return dict(step=step, session_steps=0, minutes=minutes, stop=stop, evals=evals, out=cfg.out,
+                    state=str(state_path(cfg.out)), saved=False)
     if not evals or evals[-1]["step"] != step:
         ev, _ = evaluate()
         evals.append(ev)
@@ -784,7 +1049,7 @@ def train(cfg: TrainConfig, spec: ModelSpec | None = None, t0: float | None = No
         f"saved {cfg.out} and {state_path(cfg.out).name}")
     log.close()
     return dict(step=step, session_steps=session, minutes=minutes, stop=stop, evals=evals,
-                out=cfg.out, state=str(state_path(cfg.out)))
+                out=cfg.out, state=str(state_path(cfg.out)), saved=True)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -797,9 +1062,24 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     return TrainConfig(**{k: getattr(args, k) for k in asdict(defaults)})
 
 
-def main(argv: list[str] | None = None) -> None:
-    train(parse_args(argv), t0=_T_START)
+def main(argv: list[str] | None = None) -> int:
+    """The command line: 0 when the run ends, 2 with one line naming the option or file for bad input or a
+    failed step or save (no traceback), 130 when interrupted."""
+    cfg = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" bars at every save: noise in a log
+    try:
+        train(cfg, t0=_T_START)
+    except KeyboardInterrupt:
+        print("train_tiny.py: interrupted (the last saved checkpoint and state are whole)", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, RuntimeError, ArithmeticError, MemoryError) as exc:
+        kind = "" if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: "
+        print(f"train_tiny.py: error: {kind}{' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,6 +24,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from diffusiongemma.reference.config import ModelConfig
+from diffusiongemma.reference.support.config_io import load_json_object
 from diffusiongemma.reference.support.errors import CheckpointError, ConfigError
 
 CONFIG_FILE = "config.json"
@@ -116,7 +117,7 @@ def _read_config(path: str) -> tuple[dict[str, Any], ModelConfig]:
         raise CheckpointError(f"{path}: {CONFIG_FILE} is missing (not a transformers checkpoint directory)")
     try:
         with open(config_path, encoding="utf-8") as f:
-            raw = json.load(f)
+            raw = load_json_object(f, config_path)  # a key given twice: refused by name
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{config_path}: not valid JSON ({exc})") from exc
     if not isinstance(raw, dict):

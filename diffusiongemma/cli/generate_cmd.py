@@ -214,17 +214,73 @@ def choose_backend(requested: str, needs_reference: bool = False) -> tuple[str, 
     if importlib.util.find_spec("cupy") is not None:
         try:
             from diffusiongemma.fast.gpu.device import gpu_available
-
-            usable, gpu_reason = gpu_available()
+        except ImportError as exc:
+            gpu_reason = f"the GPU path failed to import ({one_line(exc)})"
+        else:
+            try:
+                usable, gpu_reason = gpu_available()
+            except Exception as exc:  # a broken CuPy raises what it likes on import: SyntaxError, OSError, ...
+                usable, gpu_reason = False, f"CuPy failed: {one_line(exc)}"
+            if gpu_reason.startswith("CuPy is not installed ("):  # it is (find_spec found it): its import failed
+                gpu_reason = "CuPy failed to import (" + gpu_reason[len("CuPy is not installed ("):]
             if usable:
                 return "gpu", f"auto: {gpu_reason}"
-        except ImportError as exc:
-            gpu_reason = f"the GPU path failed to import ({exc})"
     try:
         import diffusiongemma.fast  # noqa: F401  (the compiled extension)
     except ImportError as exc:
         return "reference", f"auto: no GPU ({gpu_reason}); the compiled CPU path failed to import ({exc})"
     return "cpu", f"auto: no GPU ({gpu_reason})"
+
+
+_GPU_ABSENT = ("CuPy is not installed", "no CUDA GPU is visible")  # auto's quiet reasons: nothing is broken
+
+
+def auto_note(backend_choice: str) -> str | None:
+    """The one-line note ``--backend auto`` prints when it passed over a GPU path that is installed but failed
+    (CuPy raised on import, the CUDA driver answered with an error), naming why; None when it took the GPU or
+    there is none to take (CuPy not installed, no GPU visible)."""
+    prefix = "auto: no GPU ("
+    if not backend_choice.startswith(prefix) or backend_choice[len(prefix):].startswith(_GPU_ABSENT):
+        return None
+    reason = backend_choice[len(prefix):].split("); ", 1)[0].removesuffix(")")
+    return f"diffusiongemma generate: note: --backend auto: the GPU is not usable ({reason}); running on the CPU"
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc`` as one line: its type (unless it is the project's own or a plain RuntimeError, whose messages
+    say what happened) and its message with every run of whitespace, newlines included, made one space."""
+    message = " ".join(str(exc).split()) or "(no message)"
+    cause = exc.__cause__
+    if cause is not None and " ".join(str(cause).split()) not in message:  # e.g. CuPy's own ImportError
+        message += f" ({one_line(cause)})"
+    if isinstance(exc, (RuntimeError, ValueError)) and type(exc).__module__.startswith(("builtins", "diffusiongemma")):
+        return message
+    return f"{type(exc).__name__}: {message}"
+
+
+def load_on_backend(path: str, backend: str, backend_choice: str, dtype: str, load):
+    """(text side, model, backend, backend choice): ``load(path, backend, dtype=dtype)``, where a GPU that fails
+    on first use (CuPy's import, the CUDA driver or runtime, compiling the kernels, copying the weights: any
+    error that is not the checkpoint's own, which are ValueErrors) is a one-line error naming CuPy's message
+    under ``--backend gpu``, and under ``--backend auto`` a one-line note on stderr and the CPU path instead."""
+    try:
+        return (*load(path, backend, dtype=dtype), backend, backend_choice)
+    except (ValueError, FileNotFoundError, KeyboardInterrupt):  # the checkpoint's errors are the same on any backend
+        raise
+    except Exception as exc:
+        if backend != "gpu":
+            raise
+        reason = one_line(exc)
+        if not backend_choice.startswith("auto"):
+            raise RuntimeError(f"--backend gpu: the GPU failed: {reason}") from None
+    fallback = "cpu"
+    try:
+        import diffusiongemma.fast  # noqa: F401  (the compiled extension)
+    except ImportError:
+        fallback = "reference"
+    print(f"diffusiongemma generate: note: --backend auto: the GPU failed on first use ({reason}); running on the "
+          f"{'compiled CPU path' if fallback == 'cpu' else 'reference'} instead", file=sys.stderr)
+    return (*load(path, fallback, dtype=dtype), fallback, f"auto: the GPU failed on first use ({reason})")
 
 
 def denoising_variant(args):
@@ -274,13 +330,16 @@ def run(args) -> int:
 
     args.backend, backend_choice = choose_backend(
         args.backend, needs_reference=args.greedy or args.temp == 0 or args.semantics != "transformers")
+    if auto_note(backend_choice):
+        print(auto_note(backend_choice), file=sys.stderr)
     variant = denoising_variant(args)
     prompt = read_prompt(args)
     seed_value, seed_given = (args.seed, True) if args.seed is not None else (int.from_bytes(os.urandom(4), "big"), False)
     path = args.model or default_model_dir()
     check_model_path(path)
     t0 = time.perf_counter()
-    text_side, model = load_checkpoint(path, args.backend, dtype=args.dtype)  # one version, even during a convert --force
+    text_side, model, args.backend, backend_choice = load_on_backend(  # one version, even during a convert --force
+        path, args.backend, backend_choice, args.dtype, load_checkpoint)
     settings = settings_for(args, path, model.config)
     load_seconds = time.perf_counter() - t0
 

@@ -26,6 +26,10 @@ def _is_real(value: Any) -> bool:
 MAX_LAYERS = 4096  # most transformer blocks a config may declare (released models have at most ~130)
 MAX_POSITIONS = 2**31 - 1  # most positions a model may declare: positions are int32 in llama.cpp and the kernels
 RMS_NORM_EPS_MAX = 0.01  # the largest rms_norm_eps accepted; released models use 1e-6 (Gemma) to 1e-5 (Llama)
+# the smallest final_logit_softcapping accepted (released models use 30): a cap c squeezes every logit into
+# (-c, c), so below this the sampler's probabilities are uniform to within 0.2%, and logits / c overflows float32
+# once a logit exceeds 3.4e35 (at 1e-45, any logit above 5e-7 does: a NumPy overflow warning, then ties)
+SOFTCAP_MIN = 1e-3
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -151,6 +155,10 @@ def check_model_config(config: Any, SLIDING: str, FULL: str, RopeParameters: typ
                           f"a larger epsilon swamps the activations' mean square), got {config.rms_norm_eps!r}")
     if not config.final_logit_softcapping > 0:
         raise ConfigError(f"final_logit_softcapping must be > 0, got {config.final_logit_softcapping!r}")
+    if config.final_logit_softcapping < SOFTCAP_MIN:
+        raise ConfigError(f"final_logit_softcapping must be at least {SOFTCAP_MIN:g} (released models use 30; a "
+                          "smaller cap squeezes every logit into (-cap, cap), leaving the sampler uniform "
+                          f"probabilities, and dividing by it overflows float32), got {config.final_logit_softcapping!r}")
     if not 0 <= config.pad_token_id < config.vocab_size:
         raise ConfigError(f"pad_token_id {config.pad_token_id!r} is outside [0, vocab_size={config.vocab_size})")
 

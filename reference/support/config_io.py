@@ -13,9 +13,12 @@ Upstream behaviours reproduced (transformers 5.24.0, ``configuration_diffusion_g
 * ``final_logit_softcapping`` is a class attribute upstream (30.0) that ``save_pretrained`` does not always
   write; absent means 30.0.
 * ``canvas_length`` lives in the top-level config (default 256).
-* ``tie_word_embeddings`` (top level and text config) defaults to true upstream; it must be absent, null
-  or ``true`` here (``false`` cannot be honoured: there is no separate output projection; any other value
-  is refused, where upstream would take its truthiness).
+* ``tie_word_embeddings`` (top level and text config) defaults to true upstream; it must be absent or
+  ``true`` here (``false`` cannot be honoured: there is no separate output projection; any other value,
+  ``null`` included, is refused, where upstream would take its truthiness and leave a null untied).
+* A JSON object that repeats a key (``{"3": {...}, "3": {...}}``) is refused naming the key and where it is
+  (``json`` would keep the last one silently); so is a ``per_layer_config`` key that is not ASCII digits
+  ("٣" or "³" are digits to Python's ``str.isdigit``, not layer indices).
 * ``rope_parameters`` absent or null takes upstream's defaults; any other value must be a non-empty object
   (``0``, ``[]`` or ``{}`` are refused rather than read as "absent").
 """
@@ -85,8 +88,8 @@ def per_layer_overrides(per_layer: Any, n_layers: int) -> dict[int, Any]:
     out: dict[int, Any] = {}
     for key, entry in per_layer.items():
         text_key = str(key).strip()
-        if isinstance(key, bool) or not text_key.isdigit():
-            raise ConfigError(f"per_layer_config key {key!r} is not a layer index")
+        if isinstance(key, bool) or not (text_key.isascii() and text_key.isdigit()):
+            raise ConfigError(f"per_layer_config key {key!r} is not a layer index (ASCII digits 0-9)")
         index = int(text_key)
         if index >= n_layers:
             raise ConfigError(f"per_layer_config key {key!r} names layer {index}, but the model has "
@@ -187,8 +190,11 @@ def transformers_fields(config: Mapping[str, Any], SLIDING: str, FULL: str) -> d
             rope_theta=number(f"rope_parameters[{kind!r}].rope_theta", params.get("rope_theta", 10_000.0)),
             partial_rotary_factor=number(f"rope_parameters[{kind!r}].partial_rotary_factor",
                                          params.get("partial_rotary_factor", 1.0)))
-    for where, value in (("tie_word_embeddings", config.get("tie_word_embeddings")),
-                         ("text_config.tie_word_embeddings", text.get("tie_word_embeddings"))):
+    for where, holder in (("tie_word_embeddings", config), ("text_config.tie_word_embeddings", text)):
+        value = holder.get("tie_word_embeddings")
+        if value is None and "tie_word_embeddings" in holder:  # upstream reads null as false: untied
+            raise ConfigError(f"{where} must be true or false (DiffusionGemma needs true), got null; leave it out "
+                              "or write true")
         if value is False:
             raise ConfigError(f"{where}=False is not supported: DiffusionGemma ties the output projection "
                               "and the encoder to the decoder's embedding table")
@@ -223,12 +229,53 @@ def transformers_fields(config: Mapping[str, Any], SLIDING: str, FULL: str) -> d
     )
 
 
+class _JSONObject(dict):
+    """A decoded JSON object that remembers the keys it was given more than once (as paths below it)."""
+
+    __slots__ = ("repeated",)
+
+
+def _object_pairs(pairs: list) -> _JSONObject:
+    """``json``'s ``object_pairs_hook``: the object, with ``repeated`` listing every key given twice in it or
+    in an object below it, as a dotted path (objects are decoded innermost first)."""
+    out = _JSONObject()
+    out.repeated = []
+    for key, value in pairs:
+        if key in out:
+            out.repeated.append(key)
+        out[key] = value
+        for inner in (value if isinstance(value, list) else [value]):
+            if isinstance(inner, _JSONObject):
+                out.repeated.extend(f"{key}.{sub}" for sub in inner.repeated)
+    return out
+
+
+def load_json_object(f, path: str | os.PathLike) -> Any:
+    """``json.load(f)``, refusing with ``ConfigError`` naming ``path`` and the key a JSON object that gives one
+    key twice (``json`` would silently keep the last value, which another reader may not)."""
+    data = json.load(f, object_pairs_hook=_object_pairs)
+    if isinstance(data, _JSONObject) and data.repeated:
+        raise ConfigError(f"{path}: the key {data.repeated[0]} is given twice in one JSON object; which value "
+                          "is meant is ambiguous, so give it once")
+    return _plain(data)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every ``_JSONObject`` turned back into a plain dict."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
+
+
 def read_config_json(path: str | os.PathLike) -> tuple[dict, bool]:
     """(the JSON object, True when it is the project's ``diffusiongemma.json``) of a config file: for the
-    project's file its ``model_config`` object, else the transformers config itself."""
+    project's file its ``model_config`` object, else the transformers config itself. A key repeated inside
+    one JSON object is refused by name (``load_json_object``)."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = load_json_object(f, path)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid UTF-8 JSON ({exc})") from exc
     if not isinstance(data, dict):
@@ -301,7 +348,7 @@ def read_generation_config_json(path: str | os.PathLike) -> Any:
         raise FileNotFoundError(f"no generation config at {file!r}")
     try:
         with open(file, encoding="utf-8") as f:
-            data = json.load(f)
+            data = load_json_object(f, file)
     except json.JSONDecodeError as error:
         raise ConfigError(f"{file!r} is not valid JSON: {error}") from None
     return data
