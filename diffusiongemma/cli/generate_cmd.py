@@ -57,7 +57,7 @@ def register(commands, formatter) -> None:
                           "nothing is downloaded (default: the shipped tiny-kjv model)")
     gen.add_argument("--backend", choices=BACKENDS, default="auto",
                      help="auto: the fastest one usable here (gpu when CuPy sees a GPU, else cpu when the compiled "
-                          "extension imports, else reference; the same tokens for a seed), printed with the "
+                          "extension imports, else reference; in float32 the same tokens for a seed), printed with the "
                           "timings; reference (NumPy), cpu (compiled fast path), gpu (CuPy), gpu-sim (the CUDA "
                           "kernels on the CPU, checked)")
     gen.add_argument("--dtype", choices=DTYPES, default="float32",
