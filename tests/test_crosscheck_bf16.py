@@ -211,6 +211,20 @@ def test_the_rule_counts_calls_not_one_ratio():
     assert bf16_stages.beyond(one) == [True] and bf16_stages.judge(one) is None  # one call never decides
 
 
+def test_router_ties_take_the_peers_choice_only_across_a_tie():
+    probs = np.array([[0.4, 0.2, 0.2, 0.2],  # an exact three-way tie at the 2nd place
+                      [0.4, 0.3, 0.3 * (1 + 2 ** -7), 0.0],  # a near tie (one bfloat16 ulp of a router logit)
+                      [0.5, 0.3, 0.2, 0.0],  # no tie: the peer's other choice is a real difference
+                      [0.5, 0.3, 0.2, 0.0]], dtype=np.float32)
+    peer = np.array([[0, 3], [0, 1], [0, 2], [0, 1]])
+    replay = bf16_stages.ReplayTies(peer)
+    chosen = replay(probs, 2)
+    assert chosen[0].tolist() == [0, 3] and chosen[1].tolist() == [0, 1]  # replayed
+    assert set(chosen[2].tolist()) == {0, 1} and set(chosen[3].tolist()) == {0, 1}  # ours kept
+    assert replay.exact == {0} and replay.near == {1}
+    assert bf16_stages.ReplayTies(None)(probs, 2).shape == (4, 2)  # no peer choice recorded: ours
+
+
 # ================================================================================ correct runs agree
 def assert_agrees(report) -> None:
     text = report.to_text()
