@@ -153,8 +153,14 @@ def apply_mutation(name: str, monkeypatch, model=None) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _no_grad():
-    with torch.no_grad():
+def _no_grad_one_thread():
+    """No autograd, and one thread for torch and BLAS: the tiny models' products are far too small to share,
+    and on a loaded machine spinning thread pools make a cross-check ten times slower (conftest puts the
+    thread counts back after each test)."""
+    from threadpoolctl import threadpool_limits
+
+    torch.set_num_threads(1)
+    with torch.no_grad(), threadpool_limits(1):
         yield
 
 
