@@ -235,7 +235,9 @@ def test_router_ties_take_the_peers_choice_only_across_a_tie():
 def assert_agrees(report) -> None:
     text = report.to_text()
     assert report.exit_code == 0, text
-    assert text.startswith("crosscheck transformers") and "verdict rule:" in text.splitlines()[1]
+    header = text.splitlines()[1]
+    assert text.startswith("crosscheck transformers") and header.startswith("verdict rule:")
+    assert "beyond" in header and "no false alarm on" in header  # the rule and its measured false alarms
     for g in report.generation:
         tf = g.teacher_forced
         assert tf["calls"] > 0 and tf["encodes"] > 0 and "decoder layer 0" in tf["stages"], tf
