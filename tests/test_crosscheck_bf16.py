@@ -316,3 +316,12 @@ def test_diffusers_bfloat16_run_departs_at_the_self_conditioning_cast(checkpoint
     for g in report.generation:
         assert g.divergence is not None and g.divergence.stage == "bf16 decoder input", g.divergence
         assert any("no bfloat16 numbers" in n and "B8" in n for n in g.notes), g.notes
+
+
+def test_a_bfloat16_generate_says_what_it_promises_on_its_timing_line(capsys):
+    from diffusiongemma.cli.main import main
+
+    assert main(["generate", "And God said", "--seed", "1", "--dtype", "bfloat16", "--backend", "reference",
+                 "-n", "4"]) == 0
+    timing = [line for line in capsys.readouterr().err.splitlines() if "tokens/s" in line]
+    assert timing and "bfloat16 agrees call by call across backends, free runs part" in timing[0], timing
