@@ -105,6 +105,19 @@ def rounded_final_norm(self, hidden_states):  # B9/B2: the normalised value roun
     return (normed * self.weight).to(hidden_states.dtype)
 
 
+def unrounded_gelu(self, x):  # B3: the GELU of the gate projection not rounded before the product with up
+    return self.down_proj((self.act_fn(self.gate_proj(x).float()) * self.up_proj(x).float()).to(x.dtype))
+
+
+def unrounded_norms(self, hidden_states):  # B2: every weighted norm rounds its normalised value, then the product
+    normed = self._norm(hidden_states.float()).to(hidden_states.dtype)
+    return (normed * self.weight).to(hidden_states.dtype) if self.with_scale else normed
+
+
+def unrounded_lm_head(self, x):  # B9: the output projection kept float32
+    return nn.functional.linear(x.float(), self.weight.float())
+
+
 _EXPERTS = None  # transformers' own experts forward, kept before it is patched
 
 # name: (patches {module attribute: replacement} or the decoder's final norm, the stage the verdict must name,
@@ -115,7 +128,7 @@ MUTATIONS = {
     "self-conditioning sum float32 (B8)": ({"DiffusionGemmaSelfConditioning.forward": f32_self_conditioning_sum},
                                            "bf16 decoder input", "B8 self-conditioning"),
     "attention weights float32 before V (B5)": ({"eager_attention_forward": f32_weights_before_v},
-                                                "bf16 encoder layer 0", "attention block: SPEC §10.1 B3-B5"),
+                                                "bf16 encoder layer 0", "attention block: SPEC §10.1 B2-B5"),
     "expert sum rounded per expert (B6)": ({"DiffusionGemmaTextExperts.forward": rounded_expert_sum},
                                            "bf16 encoder layer 0", "experts: SPEC §10.1 B6"),
     "router softmax in bfloat16 (B6)": ({"DiffusionGemmaTextRouter.forward": bf16_router_softmax},
@@ -124,29 +137,32 @@ MUTATIONS = {
                                                   "B9 final norm"),
     "RoPE tables and rotation float32 (B4)": ({"DiffusionGemmaTextRotaryEmbedding.forward": f32_rope_tables,
                                                "apply_rotary_pos_emb": f32_rotation},
-                                              "bf16 encoder layer 0", "attention block: SPEC §10.1 B3-B5"),
+                                              "bf16 encoder layer 0", "attention block: SPEC §10.1 B2-B5"),
+    "GELU not rounded before the product with up (B3)": ({"DiffusionGemmaText4MLP.forward": unrounded_gelu},
+                                                         "bf16 encoder layer 0", "dense MLP: SPEC §10.1 B2/B3"),
+    "every weighted norm rounded before its weight (B2)": ({"DiffusionGemmaRMSNorm.forward": unrounded_norms},
+                                                           "bf16 encoder layer 0", "attention block: SPEC §10.1 B2"),
+    "output projection kept float32 (B9)": ({"lm_head": unrounded_lm_head}, "bf16 output", "B9 final norm"),
 }
 MUTATION_SPEC = TinySpec(hidden_size=48, final_norm_gain=6.0)  # sqrt(48) is no bfloat16 number (B1 shows)
 
 
-def apply_mutation(name: str, monkeypatch, model=None) -> None:
-    """Patch transformers' module (or ``model``'s final norm, also every model loaded later) for ``name``."""
+def apply_mutation(name: str, monkeypatch) -> None:
+    """Patch transformers' module (or one module of every model loaded from now on) for ``name``."""
     global _EXPERTS
     g = upstream()
     _EXPERTS = g.DiffusionGemmaTextExperts.forward if _EXPERTS is None else _EXPERTS
     for target, replacement in MUTATIONS[name][0].items():
-        if target == "final_norm":  # only the decoder's final norm: patch it on every model loaded from now on
+        if target in ("final_norm", "lm_head"):  # one module of the model: patched on every model loaded from now on
             load = g.DiffusionGemmaForBlockDiffusion.from_pretrained.__func__
 
-            def loading(cls, *args, **kw):
+            def loading(cls, *args, target=target, replacement=replacement, **kw):
                 loaded = load(cls, *args, **kw)
-                norm = loaded.model.decoder.norm
-                norm.forward = types.MethodType(replacement, norm)
+                module = loaded.model.decoder.norm if target == "final_norm" else loaded.lm_head
+                module.forward = types.MethodType(replacement, module)
                 return loaded
 
             monkeypatch.setattr(g.DiffusionGemmaForBlockDiffusion, "from_pretrained", classmethod(loading))
-            if model is not None:
-                model.model.decoder.norm.forward = types.MethodType(replacement, model.model.decoder.norm)
             continue
         owner, _, attr = target.rpartition(".")
         monkeypatch.setattr(getattr(g, owner) if owner else g, attr, replacement)

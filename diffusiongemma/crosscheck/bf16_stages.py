@@ -226,7 +226,8 @@ def decoder_layer(model: Any, l: int, h: np.ndarray, cache: Any) -> np.ndarray:
 
 
 # the parts of a layer, in the order of the forward pass: (name, SPEC §10.1 items)
-PARTS = (("attention", "B3-B5 (q/k/v projections, RoPE, scores, softmax weights, product with V, o_proj)"),
+PARTS = (("attention", "B2-B5 (input norm, q/k/v projections and norms, RoPE, scores, softmax weights, product "
+                       "with V, o_proj)"),
          ("dense", "B2/B3 (the dense MLP and its norm)"),
          ("weights", "B6 (the router: norm, scales, logits, softmax, renormalisation)"),
          ("experts", "B6 (the experts and their weighted sum)"))
