@@ -37,7 +37,8 @@ SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RANDOM_CONFIGS = {
     "sqrt(H) no bf16 number, all experts": (BF16_SPEC, 1),
     "sliding+full, top-2 of 4 (ties)": (TinySpec(final_norm_gain=6.0), 2),
-    "full only, top-3 of 6": (TinySpec(layer_types=[FULL, FULL], num_experts=6, top_k_experts=3, final_norm_gain=6.0), 3),
+    "full only, top-3 of 6": (TinySpec(layer_types=[FULL, FULL], num_experts=6, top_k_experts=3,
+                                       final_norm_gain=6.0), 3),
     "window 4, top-2 of 8, soft-cap": (TinySpec(final_norm_gain=25.0, layer_types=[SLIDING, FULL, SLIDING, FULL],
                                                 sliding_window=4, num_experts=8, top_k_experts=2), 4),
     "H 48, top-1 of 4": (TinySpec(hidden_size=48, top_k_experts=1, final_norm_gain=6.0), 5),

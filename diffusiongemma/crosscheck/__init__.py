@@ -56,7 +56,7 @@ BF16_PEERS = ("transformers", "diffusers")  # the peers whose bfloat16 run the s
 TINY_MODEL = "tiny random checkpoint (built in a temporary directory; diffusiongemma.crosscheck.tiny)"
 # what the bfloat16 rule's false alarms measured to be (benchmarks/RESULTS_bf16.md), printed in the report's header
 BF16_FALSE_ALARMS = ("; measured: no false alarm on 56 correct runs (transformers' own bfloat16 run, shipped "
-                     "model and six randomised configs), no miss on 56 single-rounding mutations "
+                     "model and six randomised configs), no miss on 80 single-rounding mutations "
                      "(benchmarks/RESULTS_bf16.md §3)")
 LOOSE_CONFIDENCE = 1.5  # nats: the second run per configuration stops early with this (and stability 0)
 
