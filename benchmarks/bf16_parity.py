@@ -1,7 +1,7 @@
 """How closely the reference's bfloat16 run (docs/SPEC.md §10.1) reproduces transformers 5.24.0 loaded with
 ``dtype=torch.bfloat16`` (eager attention, CPU): the numbers behind benchmarks/RESULTS_bf16.md.
 
-    python benchmarks/bf16_parity.py [--seeds 6] [--free-seeds 10]
+    python benchmarks/bf16_parity.py [--seeds 6] [--free-seeds 10] [--verdict-seeds 3] [--only-verdicts]
 
 1. Teacher-forced calls (``diffusiongemma.crosscheck.bf16_teacher``'s five tiny configs and calls, as
    tests/test_bf16_reference.py checks them): per call the ratio
@@ -13,7 +13,10 @@
    model and on a contractive one (self-conditioning output x 1e-3): the share of seeds whose tokens agree,
    for our bfloat16 and float32 runs and for transformers' run with oneDNN off, and for each departure the first decoder call whose inputs were the
    same on both sides but whose logits differ (where the rounding flipped) and its size.
-Prints a report; nothing is written. A few minutes on two cores.
+3. ``crosscheck transformers --dtype bfloat16`` (``--only-verdicts``): its verdict on correct runs (the shipped
+   model and ``tests/test_crosscheck_bf16.py``'s randomised configs, ``--verdict-seeds`` seeds each: false
+   alarms) and on each single-rounding mutation of transformers' bfloat16 run (misses, and stages misnamed).
+Prints a report; nothing is written. A few minutes on two cores (section 3: about 15 s per cross-check).
 """
 
 from __future__ import annotations
@@ -117,10 +120,58 @@ def free_runs(seeds: int, tmp: str) -> None:
         print("    first flipped call (same inputs, logits differ) per departure: " + "; ".join(where))
 
 
+def verdicts(seeds: int, tmp: str, shipped: bool = True) -> None:
+    """``crosscheck transformers --dtype bfloat16``: false alarms on correct runs, misses on mutations."""
+    import time
+
+    import pytest
+
+    from diffusiongemma.crosscheck import crosscheck
+    from diffusiongemma.crosscheck.tiny import write_tiny_checkpoint
+    from tests.test_crosscheck_bf16 import MUTATION_SPEC, MUTATIONS, RANDOM_CONFIGS, SHIPPED, apply_mutation
+
+    print("3. the bfloat16 cross-check verdict (stage-forced, against the null of another summation order)")
+    correct = [(name, write_tiny_checkpoint(os.path.join(tmp, f"v{name}{s}"), spec, seed + 10 * s), seed + 10 * s)
+               for name, (spec, seed) in RANDOM_CONFIGS.items() for s in range(seeds)]
+    if shipped:
+        correct[:0] = [("shipped tiny-kjv", SHIPPED, s) for s in range(seeds)]
+    alarms = 0
+    for name, path, seed in correct:
+        t = time.time()
+        report = crosscheck("transformers", path, seed=seed, dtype="bfloat16")
+        alarms += report.exit_code != 0
+        ties = sum(g.teacher_forced.get("router_ties_replayed", 0) + g.teacher_forced.get(
+            "router_near_ties_replayed", 0) for g in report.generation)
+        stages = [g.divergence.stage for g in report.generation if g.divergence is not None]
+        print(f"  correct  {name:40s} seed {seed:2d}: {'AGREE' if report.exit_code == 0 else 'DIFFER ' + str(stages)}"
+              f" (router ties replayed {ties}; {time.time() - t:.0f} s)")
+    print(f"  false alarms: {alarms} of {len(correct)} correct runs")
+    misses = wrong = runs = 0
+    for mutation, (_, stage, says) in MUTATIONS.items():
+        for s in range(seeds):
+            path = write_tiny_checkpoint(os.path.join(tmp, f"m{s}"), MUTATION_SPEC, 7 + s)
+            with pytest.MonkeyPatch.context() as patch:
+                apply_mutation(mutation, patch)
+                report = crosscheck("transformers", path, seed=s, dtype="bfloat16")
+            runs += 1
+            found = [g.divergence for g in report.generation if g.divergence is not None]
+            missed = report.exit_code == 0
+            misnamed = not missed and not all(d.stage == stage and says in d.cause for d in found)
+            misses += missed
+            wrong += misnamed
+            print(f"  mutation {mutation:42s} seed {7 + s}: "
+                  + ("AGREE (missed)" if missed else f"DIFFER at {found[0].stage if found else 'forward'}"
+                     + (" (stage misnamed)" if misnamed else "")))
+    print(f"  misses: {misses} of {runs} mutated runs; stage misnamed: {wrong}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=6)
     parser.add_argument("--free-seeds", type=int, default=10)
+    parser.add_argument("--verdict-seeds", type=int, default=3,
+                        help="seeds per config of the bfloat16 cross-check verdict (section 3)")
+    parser.add_argument("--only-verdicts", action="store_true", help="run section 3 only")
     args = parser.parse_args()
     print(machine_facts())
     import torch
@@ -128,8 +179,10 @@ def main() -> None:
 
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {torch.get_num_threads()} torch threads")
     with tempfile.TemporaryDirectory(prefix="bf16-parity-") as tmp, torch.no_grad():
-        teacher_forced(args.seeds, tmp)
-        free_runs(args.free_seeds, tmp)
+        if not args.only_verdicts:
+            teacher_forced(args.seeds, tmp)
+            free_runs(args.free_seeds, tmp)
+        verdicts(args.verdict_seeds, tmp)
 
 
 if __name__ == "__main__":

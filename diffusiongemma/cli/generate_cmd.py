@@ -15,6 +15,8 @@ BACKENDS = ["auto", "reference", "cpu", "gpu", "gpu-sim"]  # other backends are 
 SEMANTICS_NAMES = ("transformers", "jax", "llama.cpp", "vllm", "mlx-vlm", "diffusers")  # reference.semantics.SEMANTICS
 VIEWS = ("auto", "live", "plain")
 DTYPES = ("float32", "bfloat16")  # reference.primitives.compute_dtype's names
+# the end of a bfloat16 run's timing line: what it promises against other backends (README, SPEC §10.3)
+BF16_TIMING = "bfloat16 agrees call by call across backends, free runs part; "
 
 
 class UsageError(ValueError):
@@ -56,15 +58,17 @@ def register(commands, formatter) -> None:
                           "nothing is downloaded (default: the shipped tiny-kjv model)")
     gen.add_argument("--backend", choices=BACKENDS, default="auto",
                      help="auto: the fastest one usable here (gpu when CuPy sees a GPU, else cpu when the compiled "
-                          "extension imports, else reference; the same tokens for a seed), printed with the "
+                          "extension imports, else reference; in float32 the same tokens for a seed), printed with the "
                           "timings; reference (NumPy), cpu (compiled fast path), gpu (CuPy), gpu-sim (the CUDA "
                           "kernels on the CPU, checked)")
     gen.add_argument("--dtype", choices=DTYPES, default="float32",
                      help="float32: the float32 run (transformers loaded in float32); bfloat16: upstream's bfloat16 "
                           "run, as transformers computes it when loaded with dtype=torch.bfloat16 (weights and "
                           "activations rounded to bfloat16 where it rounds, docs/SPEC.md §10.1), on every backend: "
-                          "half the weight memory, tensor cores on a GPU; backends agree up to rare one-ulp "
-                          "roundings of float32 sums taken in another order")
+                          "half the weight memory, tensor cores on a GPU. float32 runs give the same tokens on "
+                          "every backend; bfloat16 runs agree call by call (what crosscheck --dtype bfloat16 "
+                          "checks: the same roundings up to rare one-ulp flips of float32 sums taken in another "
+                          "order) and their free runs part")
     gen.add_argument("--semantics", choices=SEMANTICS_NAMES, default="transformers",
                      help="run the loop with another implementation's stage choices (docs/PEERS.md); "
                           "other than transformers, they run on the reference (--backend auto picks it; cpu and "
@@ -421,8 +425,8 @@ def run(args) -> int:
         print(text if args.chat else prompt + text, flush=True)  # a chat prints the reply, not the template
         print(f"[{n_real} tokens in {seconds:.2f} s: {n_real / max(seconds, 1e-9):.1f} tokens/s, "
               f"{float(result.tokens_per_forward[0]):.2f} tokens per forward, "
-              f"steps per canvas {list(result.steps_per_canvas)}, backend {args.backend}"
-              f"{' (auto)' if backend_choice.startswith('auto') else ''}"
+              f"steps per canvas {list(result.steps_per_canvas)}, {BF16_TIMING if args.dtype == 'bfloat16' else ''}"
+              f"backend {args.backend}{' (auto)' if backend_choice.startswith('auto') else ''}"
               f"{', bfloat16' if args.dtype == 'bfloat16' else ''}]", file=sys.stderr)
         print(f"[{stop_line}; seed {seed_value}{'' if seed_given else ' (random)'}: --seed {seed_value} repeats "
               "this run]", file=sys.stderr)

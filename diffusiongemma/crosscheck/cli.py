@@ -37,9 +37,10 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
     parser.add_argument("--canvases", type=positive_int, default=2, help="canvases generated per sampler configuration")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="float32 (default), or bfloat16 (transformers only): the peer loaded with "
-                             "dtype=torch.bfloat16 against the reference's bfloat16 run, with tolerances from that "
-                             "run's own error (docs/SPEC.md §10.1)")
+                        help="float32 (default), or bfloat16 (transformers and diffusers): the peer loaded with "
+                             "dtype=torch.bfloat16 against the reference's bfloat16 run, each stage on the peer's "
+                             "own input to it, judged against a correct bfloat16 run that sums in another order "
+                             "(docs/SPEC.md §10.3)")
     from .llama_cpp_peer import add_arguments as add_llama_cpp_arguments  # llama.cpp: an external binary
 
     add_llama_cpp_arguments(parser)
@@ -47,9 +48,11 @@ def register(commands, formatter=argparse.HelpFormatter) -> None:
 
 
 def run(args) -> int:
-    if args.dtype != "float32" and args.peer != "transformers":
-        print(f"diffusiongemma crosscheck: error: --dtype {args.dtype} is defined for the transformers peer only "
-              f"(not {args.peer})", file=sys.stderr)
+    from . import BF16_PEERS
+
+    if args.dtype != "float32" and args.peer not in BF16_PEERS:
+        print(f"diffusiongemma crosscheck: error: --dtype {args.dtype} is defined for the "
+              f"{' and '.join(BF16_PEERS)} peers only (not {args.peer})", file=sys.stderr)
         return 2
     if args.peer == "llama.cpp":
         from .llama_cpp_peer import run as run_llama_cpp

@@ -70,9 +70,10 @@ class Peer:
     name = NAME
     semantics = SEMANTICS
 
-    def __init__(self, model_dir: str, workdir: str):
+    def __init__(self, model_dir: str, workdir: str, dtype: str = "float32"):
+        """dtype: "float32", or "bfloat16" (the transformers model loaded with dtype=torch.bfloat16)."""
         version()
-        self.hf = transformers_peer.Peer(model_dir, workdir)
+        self.hf = transformers_peer.Peer(model_dir, workdir, dtype=dtype)
         self.model = self.hf.model
         self.adaptations = list(self.hf.adaptations)
         self.defects: list[str] = []

@@ -80,6 +80,7 @@ class Report:
     generation: list = field(default_factory=list)  # GenerationRow
     adaptations: list = field(default_factory=list)  # str: what was changed for the peer, and where
     defects: list = field(default_factory=list)  # str: defects and known differences observed in this run
+    rule: str = ""  # how the verdict is decided, when not by the tolerances alone (bfloat16: the null rule)
 
     @property
     def agree(self) -> bool:
@@ -102,8 +103,10 @@ class Report:
         return json.dumps(self.to_dict(), indent=2, default=_jsonable)
 
     def to_text(self) -> str:
-        lines = [f"crosscheck {self.peer} {self.peer_version} on {self.model}", "",
-                 "forward (max |peer - reference| per logits tensor)"]
+        lines = [f"crosscheck {self.peer} {self.peer_version} on {self.model}"]
+        if self.rule:
+            lines.append(f"verdict rule: {self.rule}")
+        lines += ["", "forward (max |peer - reference| per logits tensor)"]
         for r in self.forward:
             mark = ("tie " if r.undefined_upstream else "ok  ") if r.ok else ("note" if r.probe else "DIFF")
             lines.append(f"  {mark} {r.name:<18} shape={str(tuple(r.shape)):<14} "
@@ -112,14 +115,22 @@ class Report:
             if r.undefined_upstream:
                 lines.append(f"       undefined upstream: {r.undefined_upstream}")
         lines.append(f"  tolerance: {self.tolerance_note}")
-        if any(r.probe for r in self.forward):
+        if self.rule and self.forward and all(r.probe for r in self.forward):
+            lines.append("  bfloat16: whole calls are information (one flip reaches most logits); the stage-forced "
+                         "comparison below decides")
+        elif any(r.probe for r in self.forward):
             lines.append("  probe rows (note) show known differences; they do not decide the result")
         lines.append("")
         lines.append("generation (the peer's sampler configurations; teacher forcing and the sampler check decide)")
         for g in self.generation:
             lines.append(f"  {'ok  ' if g.ok else 'DIFF'} {g.label}  [semantics={g.semantics}, draws={g.draws}]")
             tf = g.teacher_forced
-            if tf:
+            if tf and "stages" in tf:
+                lines.append(f"       stage-forced (bfloat16): {tf.get('calls', 0)} decoder calls and {tf.get('encodes', 0)} "
+                             f"encodes, each stage on the peer's own input to it; router choices replayed across "
+                             f"{tf.get('router_ties_replayed', 0)} exact and {tf.get('router_near_ties_replayed', 0)} "
+                             f"near ties; context: {tf.get('context', '?')}")
+            elif tf:
                 at = tf.get("worst_at")
                 lines.append(f"       teacher-forced forward: {tf.get('calls', 0)} decoder calls on the peer's inputs, "
                              f"max |d| {tf.get('max_abs_diff', 0.0):.2e}, worst {tf.get('worst_ratio', 0.0):.2f} x "
@@ -144,6 +155,10 @@ class Report:
                 elif parted:
                     text += f"; parted: {parted['what']}"
                 lines.append(text)
+            for stage, v in (tf.get("stages") or {}).items():
+                lines.append(f"         {stage:<16} calls {v['calls']:3d}, beyond the null {v['beyond']:3d}; peer: up to "
+                             f"{v['peer_max_ulps']:.2f} ulps, median share {v['peer_median_share']:.4f}; null: up to "
+                             f"{v['null_max_ulps']:.2f} ulps, median share {v['null_median_share']:.4f}")
             for k, c in enumerate(g.canvases):
                 tokens = f"{c['agree']}/{c['of']} tokens agree" if c["of"] else "no tokens reported (an end token first)"
                 lines.append(f"         canvas {k}: {tokens}, steps peer {c['steps_peer']} ours {c['steps_ours']}")

@@ -25,10 +25,10 @@ from diffusiongemma.tiny import EOS_ID, TinySpec, tiny_model, write_checkpoint
 FINAL_NORM_GAIN = 6.0
 # ``crosscheck --dtype bfloat16``: the same model with hidden size 48, whose sqrt (6.928) is no bfloat16 number
 # (bfloat16 rounds it to 6.9375, as it rounds 53.066 to 53.0 for H = 2816; sqrt(64) = 8 would hide the cast), and
-# every token routed to all 4 experts: a bfloat16 run flips a near-tied top-K choice after a one-ulp difference
-# and the flip changes the logits by O(1), which no rounding-based tolerance can tell from a wrong peer. The
-# router's weights, softmax and the experts' float32 sum are still compared; the expert choice is checked in
-# float32 (the default model).
+# every token routed to all 4 experts (the router's weights, softmax and the experts' float32 sum are compared).
+# Top-K routing is checked in bfloat16 too: the stage-forced verdict feeds each layer the peer's own input and
+# replays the peer's choice across a router tie (bf16_stages), so a checkpoint with top-2 of 4 agrees as well
+# (tests/test_crosscheck_bf16.py).
 BF16_SPEC = TinySpec(final_norm_gain=FINAL_NORM_GAIN, hidden_size=48, top_k_experts=4)
 GENERATION_CONFIG = {"max_new_tokens": 32, "max_denoising_steps": 12, "t_min": 0.4, "t_max": 0.8,
                      "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},
