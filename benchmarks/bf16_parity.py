@@ -128,7 +128,7 @@ def verdicts(seeds: int, tmp: str, shipped: bool = True) -> None:
 
     from diffusiongemma.crosscheck import crosscheck
     from diffusiongemma.crosscheck.tiny import write_tiny_checkpoint
-    from tests.test_crosscheck_bf16 import MUTATION_SPEC, MUTATIONS, RANDOM_CONFIGS, SHIPPED, apply_mutation
+    from diffusiongemma.crosscheck.bf16_mutations import MUTATION_SPEC, MUTATIONS, RANDOM_CONFIGS, SHIPPED, apply_mutation
 
     print("3. the bfloat16 cross-check verdict (stage-forced, against the null of another summation order)")
     correct = [(name, write_tiny_checkpoint(os.path.join(tmp, f"v{name}{s}"), spec, seed + 10 * s), seed + 10 * s)

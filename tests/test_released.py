@@ -27,8 +27,8 @@ from diffusiongemma import released
 from diffusiongemma.reference.support.errors import InputError
 from diffusiongemma.released import FULL, SLIDING
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402  (the test extra installs both)
+import transformers  # noqa: E402
 
 # 12 layers: two full layers (5 and 11), so per_layer_config's keys are zero-padded ("05", "11")
 SMALL = dict(layers=12, scale=64)

@@ -43,6 +43,7 @@ SUMMARIES: dict[str, str] = {
     "compare": "find the first tensor at which two traces differ",
     "plot": "draw the denoising of a run (entropy/acceptance heatmaps, commit order, schedule)",
     "crosscheck": "compare another implementation with the reference",
+    "make-checkpoint": "write a random-weight checkpoint at the released shape (any number of layers) for testing loaders",
 }
 
 
