@@ -759,9 +759,17 @@ cdef extern from "panel_gemm.h":
     void dg_panel_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *panels,
                          const int8_t *qpanels, const float *scales, const uint16_t *bpanels, int64_t N,
                          int64_t K, float *c, int64_t ldc) noexcept nogil
-    void dg_rows_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *frows,
-                        const uint16_t *brows, const uint8_t *qrows, int64_t ldw, int64_t N, int64_t K,
-                        float *c, int64_t ldc) noexcept nogil
+    ctypedef struct dg_weights:
+        const float *panels
+        const int8_t *qpanels
+        const float *scales
+        const uint16_t *bpanels
+        const float *frows
+        const uint16_t *brows
+        const uint8_t *qrows
+        int64_t ldw
+    void dg_weights_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const dg_weights *w,
+                           int64_t N, int64_t K, float *c, int64_t ldc) noexcept nogil
     void dg_widen_bf16(const uint16_t *src, int64_t n, float *dst) noexcept nogil
     void dg_widen_bf16_rows(const uint16_t *src, int64_t lds, int64_t rows, int64_t cols, float *dst) noexcept nogil
 
@@ -985,21 +993,50 @@ def expert_ffn(const float[:, ::1] x, const int64_t[::1] offsets, gate_up_panels
             a0 = offsets[e]
             n = offsets[e + 1] - a0
             if n > 0:
-                dg_panel_matmul(tile, &x[a0, 0], H, n, gfp + e * gu_size if gfp != NULL else NULL,
-                                gqp + e * gu_size if q8 else NULL, gsp + e * gu_scale_size if q8 else NULL,
-                                gbp + e * gu_size if bf else NULL, 2 * I, H, &gate_up[a0, 0], 2 * I)
-                for r in range(a0, a0 + n):
-                    if bf16:
-                        dg_round_row(&gate_up[r, 0], 2 * I)
-                        dg_gelu_gate_row_bf16(&gate_up[r, 0], &gate_up[r, I], I, &act[r, 0])
-                    else:
-                        dg_gelu_gate_row(&gate_up[r, 0], &gate_up[r, I], I, &act[r, 0])
-                dg_panel_matmul(tile, &act[a0, 0], I, n, dfp + e * down_size if dfp != NULL else NULL,
-                                dqp + e * down_size if q8 else NULL, dsp + e * down_scale_size if q8 else NULL,
-                                dbp + e * down_size if bf else NULL, H, I, &y[a0, 0], H)
-                if bf16:
-                    for r in range(a0, a0 + n):
-                        dg_round_row(&y[r, 0], H)
+                _expert_block(tile, &x[a0, 0], n, H, I,
+                              _panels(gfp + e * gu_size if gfp != NULL else NULL, gqp + e * gu_size if q8 else NULL,
+                                      gsp + e * gu_scale_size if q8 else NULL, gbp + e * gu_size if bf else NULL),
+                              _panels(dfp + e * down_size if dfp != NULL else NULL,
+                                      dqp + e * down_size if q8 else NULL, dsp + e * down_scale_size if q8 else NULL,
+                                      dbp + e * down_size if bf else NULL),
+                              &gate_up[a0, 0], &act[a0, 0], &y[a0, 0], bf16)
+
+
+cdef inline dg_weights _panels(const float *panels, const int8_t *qpanels, const float *scales,
+                               const uint16_t *bpanels) noexcept nogil:
+    """One expert's matrix as panels of one type (``panel_gemm.h``'s ``dg_weights``)."""
+    cdef dg_weights w
+    w.panels, w.qpanels, w.scales, w.bpanels = panels, qpanels, scales, bpanels
+    w.frows, w.brows, w.qrows, w.ldw = NULL, NULL, NULL, 0
+    return w
+
+
+cdef inline dg_weights _rows(const float *frows, const uint16_t *brows, const uint8_t *qrows,
+                             int64_t ldw) noexcept nogil:
+    """One expert's matrix row-major where it lies (row stride ``ldw``: values, or bytes for Q8_0 blocks)."""
+    cdef dg_weights w
+    w.panels, w.qpanels, w.scales, w.bpanels = NULL, NULL, NULL, NULL
+    w.frows, w.brows, w.qrows, w.ldw = frows, brows, qrows, ldw
+    return w
+
+
+cdef void _expert_block(dg_panel_fn tile, const float *x, Py_ssize_t n, Py_ssize_t H, Py_ssize_t I,
+                        dg_weights gate_up_w, dg_weights down_w, float *gate_up, float *act, float *y,
+                        bint bf16) noexcept nogil:
+    """One expert's gated MLP on its n rows x (n, H): gate_up (n, 2I) = x [G; U]^T, act (n, I) = gelu(G x) * U x,
+    y (n, H) = act D^T (rows contiguous); ``bf16`` rounds as ``expert_ffn`` says."""
+    cdef Py_ssize_t r
+    dg_weights_matmul(tile, x, H, n, &gate_up_w, 2 * I, H, gate_up, 2 * I)
+    for r in range(n):
+        if bf16:
+            dg_round_row(gate_up + r * 2 * I, 2 * I)
+            dg_gelu_gate_row_bf16(gate_up + r * 2 * I, gate_up + r * 2 * I + I, I, act + r * I)
+        else:
+            dg_gelu_gate_row(gate_up + r * 2 * I, gate_up + r * 2 * I + I, I, act + r * I)
+    dg_weights_matmul(tile, act, I, n, &down_w, H, I, y, H)
+    if bf16:
+        for r in range(n):
+            dg_round_row(y + r * H, H)
 
 
 @cython.boundscheck(False)
@@ -1011,7 +1048,7 @@ def expert_ffn_rows(const float[:, ::1] x, const int64_t[::1] offsets, gate_up, 
     (E, 2I, H/32*34) and (E, H, I/32*34) (a GGUF file's bytes: a float16 scale then 32 int8 values a block).
 
     Each chunk of 32 rows is gathered into the buffer the panel path widens into, and the same tile runs on
-    it (``panel_gemm.h``, ``dg_rows_matmul``): the result is ``expert_ffn``'s on the packed panels of the same
+    it (``panel_gemm.h``, ``dg_weights_matmul``): the result is ``expert_ffn``'s on the packed panels of the same
     weights, bit for bit, without the packed copy. Same buffers, offsets, ``bf16`` and errors as ``expert_ffn``.
     """
     cdef Py_ssize_t R = x.shape[0], H = x.shape[1], e, r, n, a0, E
@@ -1074,21 +1111,12 @@ def expert_ffn_rows(const float[:, ::1] x, const int64_t[::1] offsets, gate_up, 
             a0 = offsets[e]
             n = offsets[e + 1] - a0
             if n > 0:
-                dg_rows_matmul(tile, &x[a0, 0], H, n, gfp + e * g_size if gfp != NULL else NULL,
-                               gbp + e * g_size if gbp != NULL else NULL, gqp + e * g_size if gqp != NULL else NULL,
-                               ldg, 2 * I, H, &gate_up_out[a0, 0], 2 * I)
-                for r in range(a0, a0 + n):
-                    if bf16:
-                        dg_round_row(&gate_up_out[r, 0], 2 * I)
-                        dg_gelu_gate_row_bf16(&gate_up_out[r, 0], &gate_up_out[r, I], I, &act[r, 0])
-                    else:
-                        dg_gelu_gate_row(&gate_up_out[r, 0], &gate_up_out[r, I], I, &act[r, 0])
-                dg_rows_matmul(tile, &act[a0, 0], I, n, dfp + e * d_size if dfp != NULL else NULL,
-                               dbp + e * d_size if dbp != NULL else NULL, dqp + e * d_size if dqp != NULL else NULL,
-                               ldd, H, I, &y[a0, 0], H)
-                if bf16:
-                    for r in range(a0, a0 + n):
-                        dg_round_row(&y[r, 0], H)
+                _expert_block(tile, &x[a0, 0], n, H, I,
+                              _rows(gfp + e * g_size if gfp != NULL else NULL, gbp + e * g_size if gbp != NULL else NULL,
+                                    gqp + e * g_size if gqp != NULL else NULL, ldg),
+                              _rows(dfp + e * d_size if dfp != NULL else NULL, dbp + e * d_size if dbp != NULL else NULL,
+                                    dqp + e * d_size if dqp != NULL else NULL, ldd),
+                              &gate_up_out[a0, 0], &act[a0, 0], &y[a0, 0], bf16)
 
 
 # ============================================================================================ elementwise

@@ -241,44 +241,23 @@ static void dg_widen_bf16_rows(const uint16_t *src, int64_t lds, int64_t rows, i
     for (int64_t r = 0; r < rows; r++) dg_widen_bf16(src + r * lds, cols, dst + r * cols);
 }
 
-/* c (m, N) = x (m, K) W^T, W as panels of one of three types: float32 ``panels`` (ceil(N/32), K, 32); when
-   ``qpanels`` is not NULL, Q8_0: int8 qpanels (ceil(N/32), K, 32) and float32 scales (ceil(N/32), K/32, 32),
-   K a multiple of 32; when ``bpanels`` is not NULL, bfloat16 bits (ceil(N/32), K, 32). A quantized or
-   bfloat16 chunk is widened into a buffer on the calling thread's stack (32 KB). */
-static void dg_panel_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *panels,
-                            const int8_t *qpanels, const float *scales, const uint16_t *bpanels, int64_t N,
-                            int64_t K, float *c, int64_t ldc) {
-    float buf[DG_KC * DG_NR] __attribute__((aligned(64)));
-    if (m <= 0 || N <= 0) return;
-    if (K == 0) {
-        for (int64_t r = 0; r < m; r++) memset(c + r * ldc, 0, (size_t)N * sizeof(float));
-        return;
-    }
-    const int64_t P = (N + DG_NR - 1) / DG_NR;
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t nc = N - p * DG_NR < DG_NR ? N - p * DG_NR : DG_NR;
-        for (int64_t k0 = 0; k0 < K; k0 += DG_KC) {
-            const int64_t kc = K - k0 < DG_KC ? K - k0 : DG_KC;
-            const float *w = buf;
-            if (qpanels)
-                dg_widen_q8_0(qpanels + (p * K + k0) * DG_NR, scales + (p * (K / DG_QK) + k0 / DG_QK) * DG_NR,
-                              kc, buf);
-            else if (bpanels)
-                dg_widen_bf16(bpanels + (p * K + k0) * DG_NR, kc * DG_NR, buf);
-            else
-                w = panels + (p * K + k0) * DG_NR;
-            tile(m, x + k0, ldx, w, kc, c + p * DG_NR, ldc, nc, k0 > 0);
-        }
-    }
-}
-
-/* ---- row-major weights, read where they lie (a mapped checkpoint file)
-   The same products as dg_panel_matmul on W stored row-major, (N, K) with row stride ``ldw``: each chunk of a
-   panel (32 rows x DG_KC values of k) is gathered from the rows into the float32 buffer the panel path would
-   have widened into, then the same tile runs on it. The buffer holds the same values as the panel path's,
-   so the result is the panel path's, bit for bit; no packed copy of W is ever made. Types: float32 rows
-   (``frows``), bfloat16 bits (``brows``) or Q8_0 blocks (``qrows``: each row K/32 blocks of a little-endian
-   float16 scale followed by 32 int8 values, llama.cpp's block_q8_0; ``ldw`` then counts bytes). */
+/* ---- where a product's weights come from
+   W (N, K) as panels (``fast.experts.pack_panels``) of one of three types: float32 ``panels`` (ceil(N/32), K,
+   32); Q8_0 ``qpanels`` int8 (ceil(N/32), K, 32) with float32 ``scales`` (ceil(N/32), K/32, 32), K a multiple
+   of 32; bfloat16 bits ``bpanels`` (ceil(N/32), K, 32). Or row-major, read where it lies (a mapped checkpoint
+   file), with row stride ``ldw``: float32 ``frows``, bfloat16 bits ``brows``, or Q8_0 blocks ``qrows`` (each
+   row K/32 blocks of a little-endian float16 scale followed by 32 int8 values, llama.cpp's block_q8_0; ``ldw``
+   then counts bytes). Exactly one source is set. */
+typedef struct {
+    const float *panels;
+    const int8_t *qpanels;
+    const float *scales;
+    const uint16_t *bpanels;
+    const float *frows;
+    const uint16_t *brows;
+    const uint8_t *qrows;
+    int64_t ldw;
+} dg_weights;
 
 /* An IEEE half (its bits) as float32, exact (subnormals included). */
 static inline float dg_half_to_float(uint16_t h) {
@@ -298,22 +277,23 @@ static inline float dg_half_to_float(uint16_t h) {
     return v.f;
 }
 
-static void dg_gather_rows(const float *frows, const uint16_t *brows, const uint8_t *qrows, int64_t ldw,
-                           int64_t row0, int64_t nc, int64_t k0, int64_t kc, float *buf) {
+/* Rows row0 .. row0 + nc - 1, values k0 .. k0 + kc - 1, of row-major weights gathered into ``buf`` in the panel
+   layout (buf[k * 32 + j]), zeros in the columns past nc: the values a panel chunk of the same weights holds. */
+static void dg_gather_rows(const dg_weights *w, int64_t row0, int64_t nc, int64_t k0, int64_t kc, float *buf) {
     for (int64_t j = 0; j < nc; j++) {
         const int64_t r = row0 + j;
-        if (frows) {
-            const float *w = frows + r * ldw + k0;
-            for (int64_t k = 0; k < kc; k++) buf[k * DG_NR + j] = w[k];
-        } else if (brows) {
-            const uint16_t *w = brows + r * ldw + k0;
+        if (w->frows) {
+            const float *row = w->frows + r * w->ldw + k0;
+            for (int64_t k = 0; k < kc; k++) buf[k * DG_NR + j] = row[k];
+        } else if (w->brows) {
+            const uint16_t *row = w->brows + r * w->ldw + k0;
             for (int64_t k = 0; k < kc; k++) {
                 union { uint32_t u; float f; } v;
-                v.u = (uint32_t)w[k] << 16;
+                v.u = (uint32_t)row[k] << 16;
                 buf[k * DG_NR + j] = v.f;
             }
         } else {
-            const uint8_t *block = qrows + r * ldw + (k0 / DG_QK) * (2 + DG_QK);
+            const uint8_t *block = w->qrows + r * w->ldw + (k0 / DG_QK) * (2 + DG_QK);
             for (int64_t k = 0; k < kc; k += DG_QK, block += 2 + DG_QK) {
                 const float s = dg_half_to_float((uint16_t)(block[0] | (block[1] << 8)));
                 const int8_t *q = (const int8_t *)(block + 2);
@@ -321,14 +301,16 @@ static void dg_gather_rows(const float *frows, const uint16_t *brows, const uint
             }
         }
     }
-    for (int64_t j = nc; j < DG_NR; j++)  /* the panel path's zero columns past N */
+    for (int64_t j = nc; j < DG_NR; j++)  /* the panel layout's zero columns past N */
         for (int64_t k = 0; k < kc; k++) buf[k * DG_NR + j] = 0.0f;
 }
 
-/* c (m, N) = x (m, K) W^T for W row-major (see above); K a multiple of 32 for Q8_0. */
-static void dg_rows_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *frows,
-                           const uint16_t *brows, const uint8_t *qrows, int64_t ldw, int64_t N, int64_t K,
-                           float *c, int64_t ldc) {
+/* c (m, N) = x (m, K) W^T for W from any source above. Each chunk (32 outputs x DG_KC values of k) is either read
+   in place (float32 panels) or widened / gathered into a buffer on the calling thread's stack (32 KB), always
+   into the same values, and the same tile runs on it: every source gives the float32 panels' result on the
+   widened weights, bit for bit, and row-major weights are never copied whole. */
+static void dg_weights_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const dg_weights *w,
+                              int64_t N, int64_t K, float *c, int64_t ldc) {
     float buf[DG_KC * DG_NR] __attribute__((aligned(64)));
     if (m <= 0 || N <= 0) return;
     if (K == 0) {
@@ -340,10 +322,27 @@ static void dg_rows_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_
         const int64_t nc = N - p * DG_NR < DG_NR ? N - p * DG_NR : DG_NR;
         for (int64_t k0 = 0; k0 < K; k0 += DG_KC) {
             const int64_t kc = K - k0 < DG_KC ? K - k0 : DG_KC;
-            dg_gather_rows(frows, brows, qrows, ldw, p * DG_NR, nc, k0, kc, buf);
-            tile(m, x + k0, ldx, buf, kc, c + p * DG_NR, ldc, nc, k0 > 0);
+            const float *chunk = buf;
+            if (w->qpanels)
+                dg_widen_q8_0(w->qpanels + (p * K + k0) * DG_NR, w->scales + (p * (K / DG_QK) + k0 / DG_QK) * DG_NR,
+                              kc, buf);
+            else if (w->bpanels)
+                dg_widen_bf16(w->bpanels + (p * K + k0) * DG_NR, kc * DG_NR, buf);
+            else if (w->panels)
+                chunk = w->panels + (p * K + k0) * DG_NR;
+            else
+                dg_gather_rows(w, p * DG_NR, nc, k0, kc, buf);
+            tile(m, x + k0, ldx, chunk, kc, c + p * DG_NR, ldc, nc, k0 > 0);
         }
     }
+}
+
+/* c (m, N) = x (m, K) W^T, W as panels of one of the three panel types (the others NULL). */
+static void dg_panel_matmul(dg_panel_fn tile, const float *x, int64_t ldx, int64_t m, const float *panels,
+                            const int8_t *qpanels, const float *scales, const uint16_t *bpanels, int64_t N,
+                            int64_t K, float *c, int64_t ldc) {
+    const dg_weights w = {panels, qpanels, scales, bpanels, NULL, NULL, NULL, 0};
+    dg_weights_matmul(tile, x, ldx, m, &w, N, K, c, ldc);
 }
 
 #endif /* DG_PANEL_GEMM_H */
