@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import threading
@@ -127,21 +126,12 @@ def child(spec: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------ the parent
 def facts(threads: int) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    from common import machine_facts  # the CPU, cores, python, commit (dirty or not) and load, as every benchmark prints them
+
     with open("/proc/meminfo") as f:
         mem = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal"))
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "memory_gb": round(mem / 1e9, 1),
-            "commit": commit or "unknown", "load": [round(x, 2) for x in os.getloadavg()]}
+    return {"machine": machine_facts(), "threads": threads, "memory_gb": round(mem / 1e9, 1),
+            "load": [round(x, 2) for x in os.getloadavg()]}
 
 
 def drop_page_cache() -> bool:
@@ -184,8 +174,7 @@ def main(argv=None) -> int:
         if run == "cpu-q8_0" and not args.gguf:
             parser.error("--runs cpu-q8_0 needs --gguf FILE")
     machine = facts(args.threads)
-    print(f"CPU: {machine['cpu']}; {machine['cores']} cores, {machine['threads']} threads; "
-          f"{machine['memory_gb']} GB memory; load {machine['load']}; commit {machine['commit']}")
+    print(f"{machine['machine']}; {machine['threads']} threads a run; {machine['memory_gb']} GB memory")
     print(f"checkpoint: {args.model} ({checkpoint_bytes(args.model) / 1e9:.1f} GB)"
           + (f"; GGUF {args.gguf} ({checkpoint_bytes(args.gguf) / 1e9:.1f} GB)" if args.gguf else ""))
     print("| run | page cache | open s | first pass s | encoder s | decoder s (median) | peak anon GB | peak RSS GB |")

@@ -171,6 +171,23 @@ def load_converted(path: str | os.PathLike, keep_bf16: bool = False) -> tuple[Mo
     raise AssertionError("unreachable")
 
 
+def _index_and_config(path: str, base: str) -> tuple[dict, ModelConfig]:
+    """``diffusiongemma.json`` of the directory ``path`` (read through ``base``) and its ``ModelConfig``."""
+    index = read_index(path, base)
+    try:
+        return index, ModelConfig.from_dict(index["model_config"])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}/{INDEX_FILE}: bad model_config ({exc})") from exc
+
+
+def _names_by_file(index: dict) -> dict[str, list[str]]:
+    """The index's weight map turned around: file name -> the tensor names it holds, in index order."""
+    by_file: dict[str, list[str]] = {}
+    for name, filename in index["weight_map"].items():
+        by_file.setdefault(filename, []).append(name)
+    return by_file
+
+
 def open_converted(path: str | os.PathLike) -> tuple[ModelConfig, WeightStore]:
     """A converted checkpoint directory as a ``WeightStore``: every weight file mapped, nothing read but headers.
 
@@ -183,14 +200,8 @@ def open_converted(path: str | os.PathLike) -> tuple[ModelConfig, WeightStore]:
     path = os.fspath(path)
     fd, base = _pinned_directory(path)
     try:
-        index = read_index(path, base)
-        try:
-            config = ModelConfig.from_dict(index["model_config"])
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{path}/{INDEX_FILE}: bad model_config ({exc})") from exc
-        by_file: dict[str, list[str]] = {}
-        for name, filename in index["weight_map"].items():
-            by_file.setdefault(filename, []).append(name)
+        index, config = _index_and_config(path, base)
+        by_file = _names_by_file(index)
         digests = index.get("file_digests", {})
         want_dtype = _SAFETENSORS_DTYPES[index["dtype"]]
         tensors: dict[str, StoredTensor] = {}
@@ -229,11 +240,7 @@ def open_converted(path: str | os.PathLike) -> tuple[ModelConfig, WeightStore]:
 def _load_converted_once(path: str, keep_bf16: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     fd, base = _pinned_directory(path)
     try:
-        index = read_index(path, base)
-        try:
-            config = ModelConfig.from_dict(index["model_config"])
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{path}/{INDEX_FILE}: bad model_config ({exc})") from exc
+        index, config = _index_and_config(path, base)
         return config, _read_weight_files(path, base, index, config, keep_bf16)
     finally:
         if fd is not None:
@@ -242,9 +249,7 @@ def _load_converted_once(path: str, keep_bf16: bool = False) -> tuple[ModelConfi
 
 def _read_weight_files(path: str, base: str, index: dict, config: ModelConfig,
                        keep_bf16: bool = False) -> dict[str, np.ndarray]:
-    by_file: dict[str, list[str]] = {}
-    for name, filename in index["weight_map"].items():
-        by_file.setdefault(filename, []).append(name)
+    by_file = _names_by_file(index)
     digests = index.get("file_digests", {})
     want_dtype = _SAFETENSORS_DTYPES[index["dtype"]]
     tensors: dict[str, np.ndarray] = {}
