@@ -65,7 +65,7 @@ from .experts import ExpertPanels, ExpertRows
 from .weights import LAYER_TENSOR_NAMES, LayerWeights, StoreArrays, pack, pack_layer
 
 DEVICES = ("cpu",)  # devices this module can run on ("cuda" lives elsewhere)
-WEIGHT_BUDGET = 2 * 2 ** 30  # bytes of packed layer weights a model over a mapped checkpoint holds at most
+WEIGHT_BUDGET = 2 ** 30  # bytes of packed layer weights a model over a mapped checkpoint holds at most (1 GiB)
 
 
 def _packed_layer_bytes(store: WeightStore, config: ModelConfig, kept_as_stored: bool) -> int:
