@@ -53,7 +53,7 @@ from diffusiongemma.reference.support.diagnosis import non_finite_error
 from diffusiongemma.reference.support.observer import NULL_OBSERVER
 from diffusiongemma.reference.primitives import BFLOAT16, compute_dtype, rope_inverse_frequencies
 from diffusiongemma.reference.support.checkpoint_io import check_tensors, load_checkpoint, open_checkpoint
-from diffusiongemma.reference.support.weight_store import STREAM_BYTES, WeightStore
+from diffusiongemma.reference.support.weight_store import STREAM_BYTES, StoredTensor, WeightStore
 from diffusiongemma.reference.support.quantized import is_bfloat16, widen
 
 from . import _kernels, block
@@ -214,9 +214,12 @@ class Model:
         self.bf16 = self.dtype == BFLOAT16  # the bfloat16 run: CpuOps rounds where the reference's round_to does
         check_tensors(tensors, config)
         mapped = isinstance(tensors, WeightStore)
-        keep_bf16_embedding = self.bf16
+        keep_bf16_embedding, embedding = self.bf16, None
         if mapped:  # a checkpoint's mapped files: tensors read (and checked) as packed, no copy where none is needed
-            keep_bf16_embedding = self.bf16 or tensors["embed_tokens"].nbytes > STREAM_BYTES  # never widened whole
+            table = tensors["embed_tokens"]
+            keep_bf16_embedding = self.bf16 or table.nbytes > STREAM_BYTES  # a large table is never widened whole:
+            if keep_bf16_embedding and not self.bf16 and table.kind not in ("float32", "bfloat16"):
+                embedding = tensors.checked("embed_tokens")  # Q8_0 / float16 rows widened a block at a time
             store, tensors = tensors, StoreArrays(tensors, self.bf16, keep_bf16)
         elif self.bf16:
             tensors = _rounded_to_bf16(tensors, keep_bf16, release_tensors)
@@ -227,7 +230,7 @@ class Model:
         experts = functools.partial(ExpertPanels.from_weights, keep_bf16=keep_bf16)
         lazy = mapped and _packed_layer_bytes(store, config, keep_bf16 or self.bf16) > weight_budget
         packed = pack(config, tensors, experts=experts, release=release_tensors, keep_bf16=keep_bf16,
-                      keep_bf16_embedding=keep_bf16_embedding, layers=not lazy)
+                      keep_bf16_embedding=keep_bf16_embedding, layers=not lazy, embedding=embedding)
         self.embed_tokens, self.final_norm = packed.embed_tokens, packed.final_norm  # (V, H), (H,)
         self.sc_pre_norm, self.sc_gate_up, self.sc_down = packed.sc_pre_norm, packed.sc_gate_up, packed.sc_down
         self.layers = packed.layers
@@ -403,17 +406,31 @@ class Model:
         bad = 0
         if contiguous:
             flat = logits.reshape(M, -1)
-            xp.matmul(hn, self.embed_tokens.T, out=flat)
+            self._output_projection(hn, flat)
             bad = ops.softcap(flat, self._cap, self.bf16)  # bfloat16 run: the logits rounded, then capped (B9)
         else:
             for i, row in enumerate(rows):
-                xp.matmul(hn[i * C:(i + 1) * C], self.embed_tokens.T, out=logits[row])
+                self._output_projection(hn[i * C:(i + 1) * C], logits[row])
                 bad += ops.softcap(logits[row], self._cap, self.bf16)
         if bad:  # the cap turned the infinities into +-c: recompute the raw logits for the message
-            raw = np.ascontiguousarray(hn @ widen(self.embed_tokens).T, dtype=np.float32)
+            raw = np.ascontiguousarray(hn @ _table_rows(self.embed_tokens).T, dtype=np.float32)
             if self.bf16:
                 ops.round_bf16(raw)
             raise self._non_finite("denoise", "the logits before the soft-cap", raw.reshape(N, C, -1), None)
+
+    def _output_projection(self, hn: np.ndarray, out: np.ndarray) -> None:
+        """``out = hn @ E^T`` (M, V) with the tied table E (V, H): one tiled product, or, for a table kept as the
+        file stores it (Q8_0, float16), a block of ``SOFT_EMBEDDING_BLOCK`` rows widened at a time."""
+        table = self.embed_tokens
+        if not isinstance(table, StoredTensor):
+            self.xp.matmul(hn, table.T, out=out)
+            return
+        V = table.shape[0]
+        for v0 in range(0, V, SOFT_EMBEDDING_BLOCK):
+            n = min(V, v0 + SOFT_EMBEDDING_BLOCK) - v0
+            part = self.workspace.get("output_block", (hn.shape[0], n))
+            self.xp.matmul(hn, table.float32(slice(v0, v0 + n)).T, out=part)
+            out[:, v0:v0 + n] = part
 
     # ------------------------------------------------------------------ failure diagnosis
     def _non_finite(self, stage: str, where: str, array: np.ndarray, layer: int | None,
@@ -431,7 +448,7 @@ class Model:
                 slots = cache.cached_slots(layer)
                 inputs = {f"cache keys of layer {layer}": cache.keys[layer][:, :, :slots],
                           f"cache values of layer {layer}": cache.values[layer][:, :, :slots]}
-        weights = {name: widen(value) if is_bfloat16(value) else value for name, value in weights.items()}
+        weights = {name: widen(value) if is_bfloat16(value) else _table_rows(value) for name, value in weights.items()}
         return non_finite_error(stage, where, array, weights, inputs)
 
     def _layer_weights(self, l: int) -> dict[str, np.ndarray]:
@@ -517,10 +534,10 @@ class CpuOps:
         return self.ws.get(name, shape, dtype)
 
     def embed(self, ids: np.ndarray, table: np.ndarray, signal, normed: bool, out: np.ndarray) -> None:
-        if is_bfloat16(table):  # the bfloat16 run's embedding held bfloat16: the rows read, widened (exact)
-            N = ids.shape[0]
+        if is_bfloat16(table) or isinstance(table, StoredTensor):  # a table kept bfloat16, Q8_0 or float16: the
+            N = ids.shape[0]                                          # rows read, widened (exact)
             rows = self.ws.get("embed_rows", (N, table.shape[1]))
-            np.copyto(rows, table[ids])
+            np.copyto(rows, _table_rows(table, ids))
             ids, table = self.ws.get("embed_row_ids", (N,), np.int64), rows
             ids[:] = np.arange(N)
         self.model.ops.embed(ids, table, self.embed_scale, signal, normed, self.eps, out, self.bf16)
@@ -535,7 +552,7 @@ class CpuOps:
         for v0 in range(0, V, SOFT_EMBEDDING_BLOCK):
             n = min(V, v0 + SOFT_EMBEDDING_BLOCK) - v0
             wide, part = ws.get("soft_embedding_rows", (n, H)), ws.get("soft_embedding_probs", (M, n))
-            np.copyto(wide, table[v0:v0 + n])
+            np.copyto(wide, _table_rows(table, slice(v0, v0 + n)))
             np.copyto(part, probs[:, v0:v0 + n])
             if v0 == 0:
                 xp.matmul(part, wide, out=out)
@@ -550,7 +567,8 @@ class CpuOps:
         order, else one per row. In bfloat16 the probabilities are rounded first, in place (the caller's
         buffer is consumed by this pass), and the product is rounded (B8)."""
         xp, ops, N = self.model.xp, self.model.ops, rows.shape[0]
-        product = self._soft_embedding if is_bfloat16(table) else lambda a, b, c: xp.matmul(a, b, out=c)
+        product = (self._soft_embedding if is_bfloat16(table) or isinstance(table, StoredTensor)
+                   else lambda a, b, c: xp.matmul(a, b, out=c))
         if probs.shape[0] == N and bool(np.array_equal(rows, np.arange(N))):
             flat = probs.reshape(N * C, -1)
             if self.bf16:
@@ -649,6 +667,14 @@ class CpuOps:
 
 _ONE = np.float32(1.0)
 SOFT_EMBEDDING_BLOCK = 8192  # vocabulary rows of a bfloat16 embedding widened at a time (CpuOps._soft_embedding)
+
+
+def _table_rows(table: Any, index: Any = None) -> Any:
+    """Rows ``index`` (all: None) of the embedding table as the products take them: a ``StoredTensor`` (a Q8_0 or
+    float16 table kept as its file stores it) widened to float32, anything else indexed as it is."""
+    if isinstance(table, StoredTensor):
+        return table.float32(index)
+    return table if index is None else table[index]
 
 
 def _round_bf16(value: np.float32) -> np.float32:

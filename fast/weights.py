@@ -94,7 +94,8 @@ class PackedWeights:
 def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
          upload: Callable[[np.ndarray], Any] = lambda array: array,
          experts: Callable[[Any, Any], Any] | None = None, release: bool = False,
-         keep_bf16: bool = False, keep_bf16_embedding: bool = False, layers: bool = True) -> PackedWeights:
+         keep_bf16: bool = False, keep_bf16_embedding: bool = False, layers: bool = True,
+         embedding: Any = None) -> PackedWeights:
     """Repack checked ``tensors`` (``reference.weights.check_tensors``) into the fast layout.
 
     upload: called on every float32 host array; returns what the model keeps (a device array on a GPU).
@@ -108,16 +109,20 @@ def pack(config: ModelConfig, tensors: Mapping[str, np.ndarray],
     bfloat16 run, whose soft-embedding product need not be the float32 path's bit for bit).
     layers: False leaves ``PackedWeights.layers`` empty, for a caller that packs each layer when it needs it
     (``pack_layer``; the CPU path over a checkpoint larger than its weight budget).
+    embedding: what to keep as ``embed_tokens`` instead of reading it (the CPU path's large Q8_0 or float16
+    table, kept as the file stores it: ``reference.support.weight_store.StoredTensor``).
     A tensor that is a view of a mapped file (``reference.support.weight_store``) and needs no repacking is
     kept as that view (no copy): a float32 matrix of a float32 file, a bfloat16 one kept bfloat16.
     """
     t = _Widened(tensors)  # float32 values, quantized tensors dequantized (t.raw: as given)
     put = lambda array: upload(host_float32(array))  # noqa: E731
     matrix = functools.partial(_matrix, tensors, upload, keep_bf16)
+    if embedding is None:
+        embedding = (upload(np.ascontiguousarray(tensors["embed_tokens"]))
+                     if keep_bf16 and keep_bf16_embedding and is_bfloat16(tensors["embed_tokens"])
+                     else put(t["embed_tokens"]))
     return PackedWeights(
-        embed_tokens=(upload(np.ascontiguousarray(tensors["embed_tokens"]))
-                      if keep_bf16 and keep_bf16_embedding and is_bfloat16(tensors["embed_tokens"])
-                      else put(t["embed_tokens"])),
+        embed_tokens=embedding,
         final_norm=put(t["final_norm"]),
         sc_pre_norm=put(t["self_conditioning.pre_norm"]),
         sc_gate_up=matrix("self_conditioning.gate_proj", "self_conditioning.up_proj"),

@@ -272,3 +272,35 @@ def test_each_layer_reads_the_next_one_ahead(narrow, monkeypatch):
         assert [f"layers.{l}." for l in range(1, LAYERS)] == [p for p in prefixes if p != "layers.0."][:LAYERS - 1]
         experts = 32 * 512 * 256 * 2  # one layer's experts.gate_up_proj in the file (bfloat16)
         assert ranges.count(experts) >= LAYERS - 1  # each asked of the file as one range
+
+
+def test_a_large_q8_0_table_stays_quantized_on_the_cpu_path(narrow, monkeypatch):
+    """A Q8_0 embedding table above STREAM_BYTES (2.95 GB widened at the released shape) is never widened whole
+    on the CPU path: its lookups, output projection and soft embedding widen blocks of rows. The same logits as
+    the table widened at load, up to the order of the soft embedding's float32 sums over the vocabulary."""
+    from diffusiongemma.fast import model as fast_model
+
+    widened = fast_model.Model.from_pretrained(narrow[1])
+    monkeypatch.setattr(fast_model, "STREAM_BYTES", 0)  # this model's 4 MB table counts as large
+    monkeypatch.setattr(fast_model, "SOFT_EMBEDDING_BLOCK", 1000)  # several blocks of the 4,096 rows
+    kept = fast_model.Model.from_pretrained(narrow[1])
+    assert isinstance(kept.embed_tokens, StoredTensor) and kept.embed_tokens.kind == "q8_0"
+    assert not isinstance(widened.embed_tokens, StoredTensor)
+    canvas = np.random.default_rng(1).integers(0, 4096, size=(1, 16))
+    out = []
+    for model in (widened, kept):
+        cache = model.new_cache(1)
+        model.encode(np.array([[2, 17, 300, 41]]), cache)
+        first = model.denoise(canvas, cache)
+        out.append((first, model.denoise(canvas, cache, first / np.float32(0.8))))
+    np.testing.assert_array_equal(out[1][0], out[0][0])  # lookups and output projection: the same products
+    # the self-conditioned pass: the soft embedding adds its blocks' partial sums, another float32 order than
+    # one product, which 12 random layers amplify (measured 1.7e-4 of the largest logit here)
+    np.testing.assert_allclose(out[1][1], out[0][1], rtol=0, atol=1e-3 * float(np.abs(out[0][1]).max()))
+    # ... and that product itself is the blocks' products of the widened rows, added in order, bit for bit
+    probs = np.random.default_rng(2).random((16, 4096)).astype(np.float32)
+    got = np.empty((16, 256), np.float32)
+    kept.block_ops._soft_embedding(probs, kept.embed_tokens, got)
+    table = widened.embed_tokens
+    want = sum((probs[:, a:a + 1000] @ table[a:a + 1000] for a in range(1000, 4096, 1000)), probs[:, :1000] @ table[:1000])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
