@@ -449,14 +449,11 @@ def _check_destination(path: str, force: bool) -> None:
 
 
 def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """Bytes this process could still allocate (``reference.support.checks.available_memory``), None when
+    unknown; a function of this module so that a test can stand in for it."""
+    from diffusiongemma.reference.support.checks import available_memory
+
+    return available_memory()
 
 
 def make_checkpoint(path: str | os.PathLike, layers: int = 30, dtype: str = "bfloat16", seed: int = 0, *,
