@@ -169,7 +169,8 @@ def _first_divergence(report):
 
 def test_a_mutation_in_one_decoder_layer_is_named_as_that_layer(monkeypatch, tiny_dir):
     def scale_layer_2(model):  # the decoder's layer scalar only: the encoder (and so the cache) is untouched
-        model.layers[2]["decoder_layer_scalar"] *= np.float32(1.05)
+        # (an assignment: a loaded model's weights are views of its mapped files, replaced, not written into)
+        model.layers[2]["decoder_layer_scalar"] = model.layers[2]["decoder_layer_scalar"] * np.float32(1.05)
 
     _break_model(monkeypatch, scale_layer_2)
     d = _first_divergence(crosscheck("transformers", tiny_dir, canvases=1))
@@ -180,7 +181,7 @@ def test_a_mutation_in_one_decoder_layer_is_named_as_that_layer(monkeypatch, tin
 
 def test_a_mutation_in_the_self_conditioning_path_is_named_as_the_decoder_input(monkeypatch, tiny_dir):
     def scale_sc_norm(model):
-        model.tensors["self_conditioning.pre_norm"] *= np.float32(1.05)
+        model.tensors["self_conditioning.pre_norm"] = model.tensors["self_conditioning.pre_norm"] * np.float32(1.05)
 
     _break_model(monkeypatch, scale_sc_norm)
     d = _first_divergence(crosscheck("transformers", tiny_dir, canvases=1))
@@ -190,7 +191,7 @@ def test_a_mutation_in_the_self_conditioning_path_is_named_as_the_decoder_input(
 
 def test_a_mutation_in_the_encoder_is_named_as_the_cache(monkeypatch, tiny_dir):
     def scale_encoder_layer_1(model):
-        model.layers[1]["encoder_layer_scalar"] *= np.float32(1.05)
+        model.layers[1]["encoder_layer_scalar"] = model.layers[1]["encoder_layer_scalar"] * np.float32(1.05)
 
     _break_model(monkeypatch, scale_encoder_layer_1)
     d = _first_divergence(crosscheck("transformers", tiny_dir, canvases=1))

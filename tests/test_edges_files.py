@@ -412,7 +412,7 @@ def test_gguf_export_onto_a_full_disk_says_so(tmp_path, monkeypatch):
         monkeypatch.setattr(os, "write", full_disk)  # only from here to the end of the export
         raise OSError("655360 requested and 485408 written")
 
-    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", short_write)
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", short_write)  # each tensor is written in turn
     dst = tmp_path / "full.gguf"
     try:
         with pytest.raises(writer.WriteError, match=rf"cannot write {dst}: No space left on device"):

@@ -101,7 +101,7 @@ def test_the_bf16_check_runs_on_cuda_sim_and_prints_a_ratio_per_call(capsys):
 
 
 def test_the_bf16_check_fails_a_call_outside_the_criterion(monkeypatch, capsys):
-    from tests import test_gpu_bf16_model as check
+    from diffusiongemma.fast.gpu import bf16_whole_calls as check  # where the script takes its criterion from
 
     monkeypatch.setattr(check, "within", lambda r: all(plain <= 1e-9 for plain, forced in r.values()))
     rc = bf16_check().main(["--device", "cuda-sim", "--config", "full only, top-3 of 6"])

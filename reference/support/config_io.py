@@ -18,7 +18,7 @@ Upstream behaviours reproduced (transformers 5.24.0, ``configuration_diffusion_g
   ``null`` included, is refused, where upstream would take its truthiness and leave a null untied).
 * A JSON object that repeats a key (``{"3": {...}, "3": {...}}``) is refused naming the key and where it is
   (``json`` would keep the last one silently); so is a ``per_layer_config`` key that is not ASCII digits
-  ("٣" or "³" are digits to Python's ``str.isdigit``, not layer indices).
+  ("٣" or "³" are digits to Python's isdigit, not layer indices).
 * ``rope_parameters`` absent or null takes upstream's defaults; any other value must be a non-empty object
   (``0``, ``[]`` or ``{}`` are refused rather than read as "absent").
 """
