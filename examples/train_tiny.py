@@ -1070,7 +1070,9 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()  # "Writing model shards" bars at every save: noise in a log
     try:
-        train(cfg, t0=_T_START)
+        # run as a script, the budget counts from its start (imports included); called from a longer-lived
+        # process (a test, a notebook), from this call
+        train(cfg, t0=_T_START if __name__ == "__main__" else time.time())
     except KeyboardInterrupt:
         print("train_tiny.py: interrupted (the last saved checkpoint and state are whole)", file=sys.stderr)
         return 130
