@@ -188,6 +188,27 @@ def _names_by_file(index: dict) -> dict[str, list[str]]:
     return by_file
 
 
+def _check_weight_file(file_path: str, digest: str | None, recorded: str | None, dtypes: dict[str, str],
+                       names: list[str], dtype: str) -> None:
+    """One weight file of a converted checkpoint against its index: the digest the index records for it
+    (``CheckpointChanged`` if another), no tensor the index does not list, every listed one present and stored in
+    the index's ``dtype``. ``dtypes``: the file's tensors and their safetensors dtype tags, from its header."""
+    if recorded is not None and digest != recorded:
+        raise CheckpointChanged(f"{file_path}: its digest {digest!r} is not the {recorded!r} that {INDEX_FILE} records: "
+                                "the directory was replaced while it was being read, or mixes files of two conversions")
+    extra = sorted(set(dtypes) - set(names))
+    if extra:
+        raise CheckpointError(f"{file_path}: holds tensor(s) {extra[:5]} that {INDEX_FILE} does "
+                              "not list (a file of another conversion?)")
+    want = _SAFETENSORS_DTYPES[dtype]
+    for name in names:
+        if name not in dtypes:
+            raise CheckpointError(f"{file_path}: tensor {name!r} listed in {INDEX_FILE} is not in the file")
+        if dtypes[name] != want:
+            raise CheckpointError(f"{file_path}: tensor {name!r} is stored as {dtypes[name]}, but "
+                                  f"{INDEX_FILE} says dtype {dtype!r} ({want})")
+
+
 def open_converted(path: str | os.PathLike) -> tuple[ModelConfig, WeightStore]:
     """A converted checkpoint directory as a ``WeightStore``: every weight file mapped, nothing read but headers.
 
@@ -203,7 +224,6 @@ def open_converted(path: str | os.PathLike) -> tuple[ModelConfig, WeightStore]:
         index, config = _index_and_config(path, base)
         by_file = _names_by_file(index)
         digests = index.get("file_digests", {})
-        want_dtype = _SAFETENSORS_DTYPES[index["dtype"]]
         tensors: dict[str, StoredTensor] = {}
         files = []
         for filename, names in by_file.items():
@@ -213,21 +233,9 @@ def open_converted(path: str | os.PathLike) -> tuple[ModelConfig, WeightStore]:
             mapped = MappedFile(file_path, os.path.join(base, filename))
             files.append(mapped)
             header, metadata, _ = safetensors_header(mapped)
-            if filename in digests and metadata.get("diffusiongemma.digest") != digests[filename]:
-                raise CheckpointChanged(
-                    f"{file_path}: its digest {metadata.get('diffusiongemma.digest')!r} is not the "
-                    f"{digests[filename]!r} that {INDEX_FILE} records: the directory was replaced while it was "
-                    "being read, or mixes files of two conversions")
-            extra = sorted(set(header) - set(names))
-            if extra:
-                raise CheckpointError(f"{file_path}: holds tensor(s) {extra[:5]} that {INDEX_FILE} does "
-                                      "not list (a file of another conversion?)")
+            _check_weight_file(file_path, metadata.get("diffusiongemma.digest"), digests.get(filename),
+                               {k: e["dtype"] for k, e in header.items()}, names, index["dtype"])
             for name in names:
-                if name not in header:
-                    raise CheckpointError(f"{file_path}: tensor {name!r} listed in {INDEX_FILE} is not in the file")
-                if header[name]["dtype"] != want_dtype:
-                    raise CheckpointError(f"{file_path}: tensor {name!r} is stored as {header[name]['dtype']}, but "
-                                          f"{INDEX_FILE} says dtype {index['dtype']!r} ({want_dtype})")
                 tensors[name] = safetensors_tensor(mapped, header[name], f"{file_path}: {name}")
     finally:
         if fd is not None:
@@ -251,7 +259,6 @@ def _read_weight_files(path: str, base: str, index: dict, config: ModelConfig,
                        keep_bf16: bool = False) -> dict[str, np.ndarray]:
     by_file = _names_by_file(index)
     digests = index.get("file_digests", {})
-    want_dtype = _SAFETENSORS_DTYPES[index["dtype"]]
     tensors: dict[str, np.ndarray] = {}
     for filename, names in by_file.items():
         file_path = os.path.join(path, filename)
@@ -262,24 +269,9 @@ def _read_weight_files(path: str, base: str, index: dict, config: ModelConfig,
             raise CheckpointError(f"{path}: weight file {filename!r} listed in {INDEX_FILE} is missing")
         try:
             with safe_open(os.path.join(base, filename), framework="numpy") as f:
-                file_digest = (f.metadata() or {}).get("diffusiongemma.digest")
-                if filename in digests and file_digest != digests[filename]:
-                    raise CheckpointChanged(
-                        f"{file_path}: its digest {file_digest!r} is not the {digests[filename]!r} that "
-                        f"{INDEX_FILE} records: the directory was replaced while it was being read, or mixes "
-                        "files of two conversions")
-                present = set(f.keys())
-                extra = sorted(present - set(names))
-                if extra:
-                    raise CheckpointError(f"{file_path}: holds tensor(s) {extra[:5]} that {INDEX_FILE} does "
-                                          "not list (a file of another conversion?)")
+                _check_weight_file(file_path, (f.metadata() or {}).get("diffusiongemma.digest"), digests.get(filename),
+                                   {k: f.get_slice(k).get_dtype() for k in f.keys()}, names, index["dtype"])
                 for name in names:
-                    if name not in present:
-                        raise CheckpointError(f"{file_path}: tensor {name!r} listed in {INDEX_FILE} is not in the file")
-                    stored = f.get_slice(name).get_dtype()
-                    if stored != want_dtype:
-                        raise CheckpointError(f"{file_path}: tensor {name!r} is stored as {stored}, but "
-                                              f"{INDEX_FILE} says dtype {index['dtype']!r} ({want_dtype})")
                     array = f.get_tensor(name)
                     tensors[name] = array if keep_bf16 and array.dtype == BFLOAT16 else to_float32(array, name)
         except (SafetensorError, OSError) as exc:
